@@ -1,0 +1,126 @@
+"""Gaps of megatron-core when neither NVIDIA apex nor transformer-engine is installed.
+
+These are not about the CPU: a GPU job without TE hits them too. Each patch has a one-line
+reason and applies only when the component it replaces is absent. `apply()` is idempotent.
+"""
+
+import copy
+import functools
+import importlib
+
+_APPLIED = False
+
+
+def _have(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception:
+        return False
+
+
+def _torch_norm_with_sequence_parallel():
+    """WrappedTorchNorm refuses sequence_parallel; build it without, then mark its params so
+    that finalize_model_grads all-reduces their grads over TP (what TE/apex norms do)."""
+    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    @functools.wraps(original_new)
+    def new(cls, config, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        norm = original_new(cls, config, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _router_gemm_without_te():
+    """moe_utils refers to `te_general_gemm` even when TE failed to import (NameError)."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _torch_adam_state_before_load():
+    """With torch's Adam (no apex/TE), a never-stepped optimizer has no per-param 'step', and
+    DistributedOptimizer.state_dict() asserts a unique one: give it the zero state Adam starts from."""
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    original = distrib.DistributedOptimizer.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading:
+            init_torch_adam_state(self.optimizer)
+        return original(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
+
+    distrib.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+
+def _torch_adam_state_copy():
+    """Copying loaded state into torch-Adam main params (leaf tensors that require grad) needs
+    no_grad; torch Adam's per-param 'step' comes from the param groups (load_state_dict sets it
+    just before), not from the per-parameter tensors, whose 'step' is absent or stale: skip it."""
+    import torch
+
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    original = distrib.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destinations = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, destination in destinations.items():
+                if key != "step" and key in tensors:
+                    destination.copy_(tensors[key])
+
+    distrib.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+    # load_state_dict hands every param the same 'step' tensor; torch Adam increments it in place
+    # once per param, so after one step the count is wrong: give each param its own.
+    original_load = distrib.DistributedOptimizer.load_state_dict
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for param_state in self.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
+
+    distrib.DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def init_torch_adam_state(optimizer) -> None:
+    """Create Adam's initial state (step 0, zero moments) for params that have none yet."""
+    import torch
+
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if len(optimizer.state[p]) == 0:
+                optimizer.state[p]["step"] = torch.tensor(0.0)
+                optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def apply() -> None:
+    global _APPLIED
+    if _APPLIED:
+        return
+    if not _have("transformer_engine") and not _have("apex.normalization"):
+        _torch_norm_with_sequence_parallel()
+    if not _have("transformer_engine"):
+        _router_gemm_without_te()
+    if not _have("transformer_engine") and not _have("apex.optimizers"):
+        _torch_adam_state_before_load()
+        _torch_adam_state_copy()
+    _APPLIED = True

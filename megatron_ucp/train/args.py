@@ -1,0 +1,227 @@
+"""Command-line arguments of `pretrain_gpt_ucp.py`, with Megatron-LM's names, and their validation.
+
+`validate(args, world_size)` derives the data-parallel size and the padded vocabulary and
+stops at start-up with a one-line message naming the arguments at fault.
+"""
+
+import argparse
+
+from megatron_ucp.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt_ucp.py",
+        description="GPT pretraining on megatron-core with universal checkpoints.",
+    )
+    a = p.add_argument
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=1000, help="true (unpadded) vocabulary")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument(
+        "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute"
+    )
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument(
+        "--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather"
+    )
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--loss-log", default=None, help="append one JSON line per iteration here")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", default=None, help="prefix of a Megatron .bin/.idx pair")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--load-universal", action="store_true", help="resume from a universal checkpoint, any layout")
+    g.add_argument("--ckpt-format", choices=["universal", "torch_dist"], default="universal")
+    g.add_argument(
+        "--dist-ckpt-optim-format",
+        choices=["dp_reshardable", "fully_reshardable"],
+        default="dp_reshardable",
+        help="torch_dist only: how the distributed optimizer state is sharded",
+    )
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")
+
+    a("--cpu", action="store_true", help="train on CPU processes over gloo (no GPU needed)")
+    return p
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill derived values and refuse impossible combinations (ConfigError, one line each)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
+                 "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+        _need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _need(
+        world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+        f"--pipeline-model-parallel-size ({pp})",
+    )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    _need(
+        args.num_attention_heads % tp == 0,
+        f"--tensor-model-parallel-size ({tp}) must divide --num-attention-heads ({args.num_attention_heads})",
+    )
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    _need(args.num_query_groups is not None, "--group-query-attention needs --num-query-groups")
+    _need(
+        args.num_attention_heads % args.num_query_groups == 0,
+        f"--num-query-groups ({args.num_query_groups}) must divide --num-attention-heads ({args.num_attention_heads})",
+    )
+    _need(
+        args.num_query_groups % tp == 0,
+        f"--tensor-model-parallel-size ({tp}) must divide --num-query-groups ({args.num_query_groups})",
+    )
+    _need(
+        args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
+        f"--num-attention-heads ({args.num_attention_heads}) must divide --hidden-size ({args.hidden_size}) "
+        "or --kv-channels must be given",
+    )
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    _need(
+        args.ffn_hidden_size % tp == 0,
+        f"--tensor-model-parallel-size ({tp}) must divide --ffn-hidden-size ({args.ffn_hidden_size})",
+    )
+    _need(args.num_layers % pp == 0,
+          f"--pipeline-model-parallel-size ({pp}) must divide --num-layers ({args.num_layers})")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        vl = args.num_layers_per_virtual_pipeline_stage
+        _need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        _need(
+            per_stage % vl == 0,
+            f"--num-layers-per-virtual-pipeline-stage ({vl}) must divide --num-layers "
+            f"({args.num_layers}) / --pipeline-model-parallel-size ({pp})",
+        )
+        args.virtual_pipeline_model_parallel_size = per_stage // vl
+        if args.virtual_pipeline_model_parallel_size == 1:
+            args.virtual_pipeline_model_parallel_size = None
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM does: nothing to split
+    if args.sequence_parallel:
+        _need(args.seq_length % tp == 0,
+              f"--sequence-parallel needs --tensor-model-parallel-size ({tp}) to divide --seq-length ({args.seq_length})")
+    dp = args.data_parallel_size
+    _need(
+        args.global_batch_size % (args.micro_batch_size * dp) == 0,
+        f"--global-batch-size ({args.global_batch_size}) is not divisible by --micro-batch-size "
+        f"({args.micro_batch_size}) x data-parallel size ({dp})",
+    )
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _need(
+            args.num_microbatches % pp == 0,
+            f"interleaved pipelining needs the number of micro-batches ({args.num_microbatches}) "
+            f"to be a multiple of --pipeline-model-parallel-size ({pp})",
+        )
+    if args.num_experts is not None:
+        _need(
+            world_size % (ep * pp) == 0 and (world_size // pp) % ep == 0,
+            f"--expert-model-parallel-size ({ep}) must divide world size ({world_size}) / "
+            f"--pipeline-model-parallel-size ({pp})",
+        )
+        _need(args.num_experts % ep == 0,
+              f"--expert-model-parallel-size ({ep}) must divide --num-experts ({args.num_experts})")
+        _need(1 <= args.moe_router_topk <= args.num_experts,
+              f"--moe-router-topk ({args.moe_router_topk}) must be in 1..--num-experts ({args.num_experts})")
+        etp = args.expert_tensor_parallel_size or tp
+        _need(
+            (world_size // pp) % (ep * etp) == 0,
+            f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must divide "
+            f"world size ({world_size}) / --pipeline-model-parallel-size ({pp})",
+        )
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
+    else:
+        _need(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _need(
+        args.max_position_embeddings >= args.seq_length,
+        f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length ({args.seq_length})",
+    )
+    _need(args.mock_data or args.data_path is not None, "give --mock-data or --data-path")
+    _need(not (args.mock_data and args.data_path), "give only one of --mock-data and --data-path")
+    _need(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
+    _need(args.save_interval is None or args.save is not None, "--save-interval needs --save")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+    return args
+
+
+def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
+    return validate(build_parser().parse_args(argv), world_size)

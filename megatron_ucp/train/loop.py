@@ -1,0 +1,184 @@
+"""The GPT pretraining loop: initialise the process groups, build, resume, train, save.
+
+`pretrain(argv)` can run several times in one process (the tests do): every call builds its
+own model-parallel state and tears it down at the end.
+"""
+
+import json
+import os
+import random
+import time
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    init_num_microbatches_calculator,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_ucp import compat
+from megatron_ucp.errors import ConfigError
+from megatron_ucp.train import checkpointing
+from megatron_ucp.train.args import build_parser, validate
+from megatron_ucp.train.data import build_dataset, microbatches
+from megatron_ucp.train.model import build_train_state
+
+
+def init_distributed(cpu: bool) -> None:
+    """Join the torchrun process group (or a single-process one when run bare)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if not cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend="gloo" if cpu else "nccl")
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's seeding: a different stream per pipeline stage, named streams for TP/EP."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize(args) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size,
+    )
+    set_seeds(args.seed)
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: the schedule divides the returned loss in place by the number of micro-batches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _mean_loss(losses_reduced) -> float:
+    """The iteration's loss averaged over micro-batches and data-parallel replicas, on every rank."""
+    contributes = (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    total = torch.zeros(1, dtype=torch.float64)
+    if contributes and losses_reduced:
+        local = torch.stack([x["lm loss"].double() for x in losses_reduced]).mean()
+        total += local / parallel_state.get_data_parallel_world_size()
+    dist.all_reduce(total)
+    return float(total.item())
+
+
+def train_step(state, batches, args):
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    iterators = [iter(batches) for _ in state.model]
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=state.model,
+        num_microbatches=len(batches),
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = state.optimizer.step()
+    state.scheduler.step(increment=args.global_batch_size)
+    return _mean_loss(losses_reduced), grad_norm, update_successful
+
+
+def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm) -> None:
+    if dist.get_rank() != 0:
+        return
+    if iteration % args.log_interval == 0:
+        print(
+            f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {consumed:12d} |"
+            f" elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {lr:.6E} |"
+            f" global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} |"
+            f" grad norm: {grad_norm:.3f} |",
+            flush=True,
+        )
+    if args.loss_log:
+        with open(args.loss_log, "a") as f:
+            record = dict(iteration=iteration, loss=loss, lr=lr, grad_norm=grad_norm,
+                          consumed_samples=consumed)
+            f.write(json.dumps(record) + "\n")
+
+
+def pretrain(argv=None) -> list:
+    """Train as the arguments say; return [(iteration, loss)] of the iterations run here."""
+    args = build_parser().parse_args(argv)
+    if args.cpu:
+        from megatron_ucp import cpu_mode
+
+        cpu_mode.enable()
+    compat.apply()
+    init_distributed(args.cpu)
+    try:
+        validate(args, dist.get_world_size())
+    except ConfigError as e:
+        if dist.get_rank() == 0:
+            print(f"error: {e}", flush=True)
+        raise
+    initialize(args)
+    try:
+        return _train(args)
+    finally:
+        parallel_state.destroy_model_parallel()
+        destroy_num_microbatches_calculator()
+
+
+def _train(args) -> list:
+    state = build_train_state(args)
+    dataset = build_dataset(args.data_path, args.mock_data, args.vocab_size, args.seq_length, args.seed)
+    iteration, consumed = 0, 0
+    if args.load:
+        iteration, consumed = checkpointing.load(args, state)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    history = []
+    last = min(args.train_iters, args.exit_interval or args.train_iters)
+    while iteration < last:
+        start = time.perf_counter()
+        batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
+                               dp_rank, dp_size)
+        loss, grad_norm, _ = train_step(state, batches, args)
+        iteration += 1
+        consumed += args.global_batch_size
+        lr = state.optimizer.param_groups[0]["lr"]
+        _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0)
+        history.append((iteration, loss))
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save(args, state, iteration, consumed)
+    if args.save and (not args.save_interval or iteration % args.save_interval != 0) and history:
+        checkpointing.save(args, state, iteration, consumed)
+    return history

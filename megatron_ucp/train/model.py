@@ -1,0 +1,182 @@
+"""Build a megatron-core GPT (model chunks, DDP, optimizer, scheduler) from parsed arguments.
+
+Everything here is plain megatron-core; the only choices are Megatron-LM's defaults and the
+local (non-TE) layer spec when transformer-engine is absent.
+"""
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def transformer_config(args) -> TransformerConfig:
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    moe = {}
+    if args.num_experts is not None:
+        moe = dict(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        add_bias_linear=not args.disable_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        deterministic_mode=False,
+        **moe,
+    )
+
+
+def layer_spec(args):
+    if _have_te() and not args.cpu:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
+    return get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
+
+
+@dataclass
+class TrainState:
+    """What training owns: model chunks (DDP-wrapped), optimizer, scheduler, config."""
+
+    model: List[torch.nn.Module]
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+
+
+def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank, wrapped in megatron's DDP."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    spec = layer_spec(args)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base,
+            vp_stage=stage,
+        )
+        if args.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            gpt = Float16Module(config, gpt)
+        chunks.append(gpt)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def unwrap(chunk: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
+    while not isinstance(chunk, GPTModel):
+        chunk = chunk.module
+    return chunk
+
+
+def build_train_state(args) -> TrainState:
+    config = transformer_config(args)
+    model = build_model(args, config)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        # The scheduler counts samples (it is stepped by the global batch), as in Megatron-LM.
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+    # Wire DDP into the schedules: grad sync after the last micro-batch, none before.
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config)

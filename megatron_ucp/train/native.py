@@ -1,0 +1,93 @@
+"""Megatron-core's own `torch_dist` checkpoints, written and read as Megatron-LM does.
+
+Kept so that users can compare against (and convert from) the format they already have. Such a
+checkpoint resumes only on layouts that megatron-core itself can reshard to.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_ucp.errors import IncompleteCheckpointError
+from megatron_ucp.train.model import unwrap
+
+
+def _model_key(model, i: int) -> str:
+    """Megatron-LM's names: 'model', or 'model0', 'model1'... with virtual pipeline stages."""
+    return "model" if len(model) == 1 else f"model{i}"
+
+
+def _model_sharded_state_dict(model):
+    return {_model_key(model, i): unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def _rng_state():
+    """This rank's RNG streams; only meaningful when resuming on the same layout."""
+    import random
+
+    import numpy as np
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(args, state, iteration, consumed, is_loading):
+    sd = _model_sharded_state_dict(state.model)
+    model_sd = {}
+    for value in sd.values():
+        model_sd.update(value)
+    metadata = {"distrib_optim_sharding_type": args.dist_ckpt_optim_format}
+    sd["optimizer"] = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    sd["opt_param_scheduler"] = state.scheduler.state_dict()
+    sd["iteration"] = iteration
+    sd["consumed_samples"] = consumed
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    sd["checkpoint_version"] = 3.0
+    return sd
+
+
+def save(args, state, iteration, consumed, directory: str) -> None:
+    sd = _sharded_state_dict(args, state, iteration, consumed, is_loading=False)
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sd, directory)
+
+
+def load(args, state, directory: str):
+    """Restore model, optimizer, scheduler and RNG; return (iteration, consumed_samples)."""
+    if not os.path.isdir(directory):
+        raise IncompleteCheckpointError(f"{directory}: no torch_dist checkpoint folder")
+    sd = _sharded_state_dict(args, state, 0, 0, is_loading=True)
+    if args.no_load_rng:
+        sd.pop("rng_state")
+    if args.no_load_optim:
+        sd.pop("optimizer")
+    loaded = dist_checkpointing.load(sd, directory)
+    for i, chunk in enumerate(state.model):
+        unwrap(chunk).load_state_dict(loaded[_model_key(state.model, i)])
+    if not args.no_load_optim:
+        state.optimizer.load_state_dict(loaded["optimizer"])
+        state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if not args.no_load_rng:
+        _set_rng_state(loaded["rng_state"])
+    return int(loaded["iteration"]), int(loaded["consumed_samples"])
