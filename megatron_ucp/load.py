@@ -1,0 +1,164 @@
+"""Universal load: each rank reads only the bytes of the slices it owns in the new layout.
+
+For every local parameter: the whole TP-local slice of the fp32 master weight (the model needs
+all of it), and only the distributed-optimizer fragment of the Adam moments. The step count,
+scheduler, iteration and consumed samples are global; RNG is restored on the same layout and
+reseeded deterministically on a different one.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ucp import manifest as mf
+from megatron_ucp import rng, storage
+from megatron_ucp.errors import IncompleteCheckpointError, LayoutError, UCPError
+from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
+from megatron_ucp.model_map import local_tensors
+
+
+@dataclass
+class LoadResult:
+    iteration: int
+    consumed_samples: int
+    layout_changed: bool
+    bytes_read: int
+    manifest: dict
+
+
+def _read_range(root, entry, layout, t, state, start, stop, counter) -> np.ndarray:
+    """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing."""
+    out = np.zeros(stop - start, dtype=np.float32)
+    held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
+                  entry["padding_rows"] if t.rule.kind == "vocab" else None)
+    path = storage.safe_join(root, entry["file"])
+    part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
+    for local_start, region in fragment_regions(held, start, stop):
+        runs = region_runs(part_shapes[region.part], region)
+        # read_runs wants (file element, out element, length)
+        file_runs = np.stack([runs[:, 1], runs[:, 0] + (local_start - start), runs[:, 2]], axis=1)
+        storage.read_runs(path, layout, mf.file_tensor_name(state, region.part), file_runs, out,
+                          counter)
+    return out
+
+
+def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
+    saved = m["tensors"]
+    wanted = {t.name for t in tensors}
+    missing = sorted(wanted - saved.keys())
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{path}: {len(missing)} tensors of the model are not in the checkpoint: {missing[:5]}")
+    for t in tensors:
+        shape = tuple(saved[t.name]["shape"])
+        if shape != tuple(t.atomic_shape):
+            raise LayoutError(
+                f"{path}: tensor {t.name!r} has shape {list(shape)} in the checkpoint, the model "
+                f"expects {list(t.atomic_shape)}")
+    if strict:
+        # Each rank sees only its own tensors: the union over ranks must cover the checkpoint.
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, sorted(wanted))
+        unexpected = sorted(saved.keys() - set().union(*map(set, seen)))
+        if unexpected:
+            raise LayoutError(
+                f"{path}: {len(unexpected)} checkpoint tensors have no place in the model: "
+                f"{unexpected[:5]} (pass strict=False to ignore them)")
+
+
+def _same_layout(saved: dict, current: dict) -> bool:
+    keys = [k for k in current if k != "use_distributed_optimizer"]
+    return all(saved.get(k) == current[k] for k in keys)
+
+
+def _raise_everywhere(error: Optional[BaseException]) -> None:
+    """Turn a failure on any rank into the same error on every rank (no rank hangs)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+    for rank, e in enumerate(errors):
+        if e is not None:
+            if error is not None:
+                raise error
+            raise UCPError(f"rank {rank} failed to load: {e[0]}: {e[1]}")
+
+
+def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, vocab_size: int,
+                   iteration: Optional[int] = None, load_optim: bool = True,
+                   load_rng: bool = True, strict: bool = True, reseed=None,
+                   counter: Optional[storage.ReadCounter] = None) -> LoadResult:
+    """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
+
+    Collective. `reseed(iteration)` is called when the layout changed (or RNG is not loaded),
+    to reseed deterministically; by default RNG is left as the caller set it up.
+    """
+    from megatron_ucp.save import current_layout
+    from megatron_ucp.train.checkpointing import iteration_dir, read_tracker
+    from megatron_ucp.train.model import unwrap
+
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+    root = iteration_dir(load_dir, iteration)
+    counter = counter if counter is not None else storage.ReadCounter()
+    error, m, tensors = None, None, None
+    try:
+        m = mf.read_manifest(root)
+        mf.check_architecture(m["architecture"], mf.architecture(unwrap(model[0]), vocab_size), root)
+        with_optim = optimizer is not None and load_optim
+        if with_optim and "exp_avg" not in next(iter(m["tensors"].values()))["states"]:
+            raise IncompleteCheckpointError(f"{root}: checkpoint holds no optimizer state; load with load_optim=False")
+        tensors = local_tensors(model, optimizer if with_optim else None, vocab_size)
+        _check_tensors(m, tensors, root, strict=False)
+    except UCPError as e:
+        error = e
+    _raise_everywhere(error)
+    if strict:
+        _check_tensors(m, tensors, root, strict=True)
+
+    try:
+        _load_tensors(root, m, tensors, counter)
+        if with_optim:
+            _set_adam_step(tensors, int((m.get("optimizer") or {}).get("step", 0)))
+            if scheduler is not None and m.get("scheduler") is not None:
+                scheduler.load_state_dict(m["scheduler"])
+    except UCPError as e:
+        error = e
+    _raise_everywhere(error)
+
+    changed = not _same_layout(m["layout"], current_layout(optimizer))
+    if load_rng and not changed:
+        rng.load(os.path.join(root, "rng"), dist.get_rank())
+    elif reseed is not None:
+        reseed(int(m["iteration"]))
+    dist.barrier()
+    return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m)
+
+
+def _load_tensors(root, m, tensors, counter) -> None:
+    layouts = {}
+    for t in tensors:
+        entry = m["tensors"][t.name]
+        if t.name not in layouts:
+            layouts[t.name] = mf.file_layout(entry)
+        layout = layouts[t.name]
+        weight = _read_range(root, entry, layout, t, "param", 0, t.param.numel(), counter)
+        with torch.no_grad():
+            t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
+            f = t.fragment
+            if f is None:
+                continue
+            if not f.main_is_model:
+                f.main.copy_(torch.from_numpy(weight[f.start:f.stop]))
+            for state in ("exp_avg", "exp_avg_sq"):
+                data = _read_range(root, entry, layout, t, state, f.start, f.stop, counter)
+                getattr(f, state).copy_(torch.from_numpy(data).view(getattr(f, state).shape))
+
+
+def _set_adam_step(tensors, step: int) -> None:
+    for t in tensors:
+        if t.fragment is not None:
+            state = t.fragment.inner.state[t.fragment.key]
+            state["step"] = torch.tensor(float(step))

@@ -1,0 +1,175 @@
+"""Megatron glue: name every local parameter as an atomic tensor and find its optimizer state.
+
+This is the only module that knows megatron-core's parameter names, attributes and optimizer
+classes. It turns (model chunks, optimizer) into a list of `LocalTensor`s: for each parameter
+this rank holds, the atomic tensor it belongs to, its layout rule and TP coordinates, and the
+contiguous fragment of its flattened local tensor whose fp32 master weight and Adam moments live
+on this rank (the whole tensor without the distributed optimizer).
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_ucp.errors import LayoutError
+from megatron_ucp.layout import Rule, atomic_shape_from_local, layer_offset
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(mlp\.experts\.local_experts)\.(\d+)\.(.*)$")
+
+
+@dataclass
+class Fragment:
+    """Flat elements [start, stop) of a local parameter whose optimizer state lives here."""
+
+    start: int
+    stop: int
+    main: torch.Tensor  # fp32 master weight of those elements (1-D)
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    inner: object  # the torch optimizer holding the state
+    key: torch.Tensor  # the parameter object `inner.state` is keyed by
+    main_is_model: bool  # the master weight is the model parameter itself (fp32, no copy)
+
+
+@dataclass
+class LocalTensor:
+    name: str  # atomic tensor name (global layer number, global expert id)
+    param: torch.nn.Parameter
+    rule: Rule
+    tp: int
+    tp_rank: int
+    atomic_shape: tuple
+    padded_rows: Optional[int]
+    writes: bool  # False for the tied output-layer copy of the embedding
+    fragment: Optional[Fragment]
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def ensure_adam_state(inner) -> None:
+    """Give every param of a torch Adam its initial state (step 0, zero moments) if absent."""
+    from megatron_ucp.compat import init_torch_adam_state
+
+    init_torch_adam_state(inner)
+
+
+def optimizer_fragments(optimizer) -> Dict[torch.nn.Parameter, Fragment]:
+    """Map each model parameter to the fragment of it whose optimizer state this rank holds."""
+    out = {}
+    for opt in _inner_optimizers(optimizer):
+        inner = opt.optimizer
+        if inner is None:
+            continue
+        ensure_adam_state(inner)
+        name = type(opt).__name__
+        if name == "DistributedOptimizer":
+            for gbuf_range_maps in opt.gbuf_ranges:
+                for per_bucket in gbuf_range_maps.values():
+                    for bucket in per_bucket:
+                        for model_param, ranges in bucket["param_map"].items():
+                            r = ranges["param"]
+                            t = opt._get_main_param_and_optimizer_states(model_param)
+                            out[model_param] = Fragment(
+                                r.start, r.end, t["param"].view(-1), t.get("exp_avg"),
+                                t.get("exp_avg_sq"), inner, t["param"],
+                                main_is_model=False,
+                            )
+        elif name == "Float16OptimizerWithFloat16Params":
+            pairs = []
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                pairs += list(zip(model_group, main_group))
+            for group in opt.fp32_from_fp32_groups:
+                pairs += [(p, p) for p in group]
+            for model_param, main in pairs:
+                state = inner.state[main]
+                out[model_param] = Fragment(0, model_param.numel(), main.view(-1),
+                                            state.get("exp_avg"), state.get("exp_avg_sq"), inner,
+                                            main, main_is_model=main is model_param)
+        else:  # FP32Optimizer and other wrappers whose inner params are the model params
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    state = inner.state[p]
+                    out[p] = Fragment(0, p.numel(), p.data.view(-1), state.get("exp_avg"),
+                                      state.get("exp_avg_sq"), inner, p, main_is_model=True)
+    return out
+
+
+def _rule_for(local_name: str, param, gated: bool) -> Rule:
+    if local_name in (EMBEDDING, OUTPUT):
+        return Rule("vocab")
+    if not getattr(param, "tensor_model_parallel", False):
+        return Rule("replicated")
+    dim = int(getattr(param, "partition_dim", 0))
+    if gated and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", local_name) and dim == 0:
+        return Rule("gated")
+    return Rule("split", dim)
+
+
+def _is_expert(param) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def _tp_coords(param):
+    if _is_expert(param):
+        return (parallel_state.get_expert_tensor_parallel_world_size(),
+                parallel_state.get_expert_tensor_parallel_rank())
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank())
+
+
+def _global_name(gpt, local_name: str, vp_stage: Optional[int], pp_rank: int, pp: int,
+                 vpp: Optional[int]) -> str:
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    local_index, rest = int(m.group(1)), m.group(2)
+    layer = gpt.decoder.layers[local_index]
+    global_index = layer.layer_number - 1
+    expected = layer_offset(gpt.config.num_layers, pp, pp_rank, vpp, vp_stage) + local_index
+    if global_index != expected:
+        raise LayoutError(
+            f"{local_name}: megatron numbers this layer {global_index}, the even pipeline split "
+            f"gives {expected}; uneven pipeline splits are not supported"
+        )
+    e = _EXPERT.match(rest)
+    if e:
+        num_local = layer.mlp.experts.num_local_experts
+        expert = parallel_state.get_expert_model_parallel_rank() * num_local + int(e.group(2))
+        rest = f"{e.group(1)}.{expert}.{e.group(3)}"
+    return f"decoder.layers.{global_index}.{rest}"
+
+
+def local_tensors(model_chunks, optimizer, vocab_size: int) -> List[LocalTensor]:
+    """Every parameter this rank holds, named and mapped; `vocab_size` is the true vocabulary."""
+    from megatron_ucp.train.model import unwrap
+
+    fragments = optimizer_fragments(optimizer) if optimizer is not None else {}
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    out = []
+    for stage, chunk in enumerate(model_chunks):
+        gpt = unwrap(chunk)
+        vp_stage = stage if vpp else None
+        gated = bool(gpt.config.gated_linear_unit)
+        tied = bool(gpt.share_embeddings_and_output_weights)
+        for local_name, param in gpt.named_parameters():
+            rule = _rule_for(local_name, param, gated)
+            tp, tp_rank = _tp_coords(param)
+            name = _global_name(gpt, local_name, vp_stage, pp_rank, pp, vpp)
+            writes = True
+            if local_name == OUTPUT and tied:
+                name, writes = EMBEDDING, False  # the last stage's copy of the tied embedding
+            padded = param.shape[0] * tp if rule.kind == "vocab" else None
+            atomic = atomic_shape_from_local(rule, tuple(param.shape), tp, vocab_size)
+            out.append(LocalTensor(name, param, rule, tp, tp_rank, atomic, padded, writes,
+                                   fragments.get(param)))
+    return out

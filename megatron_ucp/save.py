@@ -1,0 +1,222 @@
+"""Universal save: every rank writes the regions it owns straight into the atomic files.
+
+1. Each rank offers the regions of atomic tensors it holds (its distributed-optimizer fragments,
+   or whole TP-local tensors); all ranks gather the offers and compute the same plan.
+2. Files are created at full size, spread over ranks; then each rank writes its planned regions
+   with positional writes (no gather, no temporary copy of the state).
+3. File creators checksum and fsync; rank 0 writes the manifest into the temporary folder,
+   renames it into place, then moves the tracker: the commit. A save killed before that rename
+   leaves the previous checkpoint and tracker untouched.
+"""
+
+import os
+import shutil
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_ucp import manifest as mf
+from megatron_ucp import rng, storage
+from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
+from megatron_ucp.model_map import local_tensors
+from megatron_ucp.plan import WriteItem, assign_files, assign_writers, check_coverage
+
+
+def current_layout(optimizer) -> dict:
+    ps = parallel_state
+    return {
+        "world_size": dist.get_world_size(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+        "use_distributed_optimizer": any(
+            type(o).__name__ == "DistributedOptimizer"
+            for o in getattr(optimizer, "chained_optimizers", [optimizer])
+        ),
+    }
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+
+
+def _sources(t, states):
+    """1-D fp32 tensors per state covering [start, stop) of the local flat tensor."""
+    if t.fragment is None:
+        return 0, t.param.numel(), {"param": t.param.detach().reshape(-1)}
+    f = t.fragment
+    out = {"param": f.main}
+    if "exp_avg" in states:
+        out["exp_avg"], out["exp_avg_sq"] = f.exp_avg, f.exp_avg_sq
+    return f.start, f.stop, out
+
+
+def _offers(tensors, states, with_optimizer: bool):
+    offers, sources = [], {}
+    for t in tensors:
+        if not t.writes or (with_optimizer and t.fragment is None):
+            continue
+        start, stop, data = _sources(t, states)
+        held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows)
+        for local_start, region in fragment_regions(held, start, stop):
+            item = WriteItem(t.name, region, region.numel * 4 * len(states))
+            offers.append(item)
+            sources[item.key] = (local_start - start, data)
+    return offers, sources
+
+
+def _tensor_entries(tensors, states) -> dict:
+    entries = {}
+    for t in tensors:
+        if not t.writes:
+            continue
+        padding = (t.padded_rows - t.atomic_shape[0]) if t.rule.kind == "vocab" else 0
+        entries[t.name] = {
+            "file": mf.tensor_file(t.name),
+            "shape": list(t.atomic_shape),
+            "dtype": "F32",
+            "rule": t.rule.to_json(),
+            "padding_rows": padding,
+            "states": list(states),
+        }
+    return entries
+
+
+def _adam_step(tensors) -> int:
+    for t in tensors:
+        if t.fragment is not None:
+            state = t.fragment.inner.state.get(t.fragment.key, {})
+            if "step" in state:
+                return int(float(state["step"]))
+    return 0
+
+
+def _param_groups(optimizer) -> list:
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for g in opt.optimizer.param_groups:
+            out.append({k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple, list, type(None)))})
+    return out
+
+
+def _make_tmp_dir(save_dir: str, iteration: int) -> str:
+    name = [None]
+    if dist.get_rank() == 0:
+        name[0] = os.path.join(save_dir, f".tmp_iter_{iteration:07d}_{uuid.uuid4().hex[:8]}")
+        os.makedirs(os.path.join(name[0], "tensors"))
+        os.makedirs(os.path.join(name[0], "rng"))
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def save_universal(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
+                   vocab_size: int, consumed_samples: int = 0, args: dict = None) -> str:
+    """Write a universal checkpoint of the model (and optimizer, scheduler) at `iteration`.
+
+    Collective: every rank of the job calls it. Returns the committed folder.
+    """
+    from megatron_ucp.train.checkpointing import iteration_dir, write_tracker
+    from megatron_ucp.train.model import unwrap
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    states = mf.STATES if optimizer is not None else ("param",)
+    tensors = local_tensors(model, optimizer, vocab_size)
+    offers, sources = _offers(tensors, states, optimizer is not None)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (offers, _tensor_entries(tensors, states)))
+    entries = {}
+    for _, e in gathered:
+        entries.update(e)
+    plan = assign_writers([o for o, _ in gathered])
+    part_shapes = {}
+    for name, e in entries.items():
+        part_shapes[(name, "")] = tuple(e["shape"])
+        if e["padding_rows"]:
+            part_shapes[(name, "padding")] = padding_shape(e["shape"], e["padding_rows"])
+    check_coverage(part_shapes, plan)
+
+    tmp = _make_tmp_dir(save_dir, iteration)
+    layouts = {name: mf.file_layout(e) for name, e in entries.items()}
+    creators = assign_files({n: l.file_size for n, l in layouts.items()}, world)
+    for name in creators[rank]:
+        storage.create_tensor_file(os.path.join(tmp, entries[name]["file"]), layouts[name])
+    dist.barrier()
+
+    for item in plan[rank]:
+        offset, data = sources[item.key]
+        path = os.path.join(tmp, entries[item.name]["file"])
+        runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
+        for state in states:
+            chunk = _to_numpy(data[state][offset:offset + item.region.numel])
+            storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
+                               runs, chunk)
+    rng.save(os.path.join(tmp, "rng"), rank)
+    dist.barrier()
+
+    checksums = {}
+    for name in creators[rank]:
+        path = os.path.join(tmp, entries[name]["file"])
+        storage.fsync_file(path)
+        header = len(layouts[name].header)
+        checksums[name] = {
+            "file_size": layouts[name].file_size,
+            "block_bytes": storage.BLOCK_BYTES,
+            "checksums": storage.block_checksums(path, header, layouts[name].file_size),
+        }
+    all_checksums = [None] * world
+    dist.all_gather_object(all_checksums, checksums)
+
+    final = iteration_dir(save_dir, iteration)
+    if rank == 0:
+        for c in all_checksums:
+            for name, info in c.items():
+                entries[name].update(info)
+        first = unwrap(model[0])
+        manifest = {
+            "format": mf.FORMAT_NAME,
+            "version": mf.FORMAT_VERSION,
+            "iteration": int(iteration),
+            "consumed_samples": int(consumed_samples),
+            "architecture": mf.architecture(first, vocab_size),
+            "layout": current_layout(optimizer),
+            "optimizer": None if optimizer is None else {
+                "type": "adam", "step": _adam_step(tensors), "param_groups": _param_groups(optimizer)},
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "args": _jsonable(args or {}),
+            "tensors": entries,
+        }
+        storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
+        storage.fsync_dir(os.path.join(tmp, "tensors"))
+        storage.fsync_dir(os.path.join(tmp, "rng"))
+        _replace_dir(tmp, final)
+        write_tracker(save_dir, iteration)
+    dist.barrier()
+    return final
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    """Move the finished folder into place; an older folder of the same name goes last."""
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old_{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    storage.fsync_dir(os.path.dirname(final) or ".")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    return repr(obj)
