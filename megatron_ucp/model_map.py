@@ -113,12 +113,16 @@ def _rule_for(local_name: str, param, gated: bool) -> Rule:
     return Rule("split", dim)
 
 
-def _is_expert(param) -> bool:
-    return not getattr(param, "allreduce", True)
+def _is_expert(local_name: str) -> bool:
+    """Routed-expert params (not shared experts) are sharded over the expert-TP group.
+
+    By name: megatron's `allreduce=False` marker is only set when expert parallelism is on.
+    """
+    return ".mlp.experts." in local_name
 
 
-def _tp_coords(param):
-    if _is_expert(param):
+def _tp_coords(local_name: str):
+    if _is_expert(local_name):
         return (parallel_state.get_expert_tensor_parallel_world_size(),
                 parallel_state.get_expert_tensor_parallel_rank())
     return (parallel_state.get_tensor_model_parallel_world_size(),
@@ -163,7 +167,7 @@ def local_tensors(model_chunks, optimizer, vocab_size: int) -> List[LocalTensor]
         tied = bool(gpt.share_embeddings_and_output_weights)
         for local_name, param in gpt.named_parameters():
             rule = _rule_for(local_name, param, gated)
-            tp, tp_rank = _tp_coords(param)
+            tp, tp_rank = _tp_coords(local_name)
             name = _global_name(gpt, local_name, vp_stage, pp_rank, pp, vpp)
             writes = True
             if local_name == OUTPUT and tied:

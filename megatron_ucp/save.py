@@ -178,13 +178,17 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
             for name, info in c.items():
                 entries[name].update(info)
         first = unwrap(model[0])
+        layout = current_layout(optimizer)
+        for name, e in entries.items():
+            if e["rule"]["kind"] == "vocab":
+                layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
         manifest = {
             "format": mf.FORMAT_NAME,
             "version": mf.FORMAT_VERSION,
             "iteration": int(iteration),
             "consumed_samples": int(consumed_samples),
             "architecture": mf.architecture(first, vocab_size),
-            "layout": current_layout(optimizer),
+            "layout": layout,
             "optimizer": None if optimizer is None else {
                 "type": "adam", "step": _adam_step(tensors), "param_groups": _param_groups(optimizer)},
             "scheduler": scheduler.state_dict() if scheduler is not None else None,

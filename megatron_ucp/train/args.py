@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not the latest")
     g.add_argument("--load-universal", action="store_true", help="resume from a universal checkpoint, any layout")
     g.add_argument("--ckpt-format", choices=["universal", "torch_dist"], default="universal")
     g.add_argument(
@@ -202,6 +203,13 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
             (world_size // pp) % (ep * etp) == 0,
             f"--expert-model-parallel-size ({ep}) x --expert-tensor-parallel-size ({etp}) must divide "
             f"world size ({world_size}) / --pipeline-model-parallel-size ({pp})",
+        )
+        _need(tp == 1 or args.sequence_parallel,
+              f"megatron-core trains MoE with --tensor-model-parallel-size {tp} only with --sequence-parallel")
+        _need(
+            etp == 1 or args.disable_bias_linear,
+            f"megatron-core supports biases in MoE experts only with --expert-tensor-parallel-size 1 "
+            f"(got {etp}): add --disable-bias-linear or set --expert-tensor-parallel-size 1",
         )
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size

@@ -46,22 +46,53 @@ def save(args, state, iteration: int, consumed: int) -> None:
         from megatron_ucp.api import save_universal
 
         save_universal(args.save, iteration, state.model, state.optimizer, state.scheduler,
-                       consumed_samples=consumed, model_args=vars(args))
+                       vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args))
     if dist.get_rank() == 0:
         print(f" saved checkpoint at iteration {iteration:8d} to {args.save} ({args.ckpt_format})",
               flush=True)
 
 
-def load(args, state):
-    """Resume from `--load`; returns (iteration, consumed_samples)."""
-    iteration = read_tracker(args.load)
-    directory = iteration_dir(args.load, iteration)
+def _load_target(args):
+    """(iteration, folder) that `--load` (and `--ckpt-step`) designate."""
+    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
+    return iteration, iteration_dir(args.load, iteration)
+
+
+def keep_saved_vocab_padding(args) -> None:
+    """Reuse the checkpoint's padded vocabulary when the new TP size divides it.
+
+    Padding rows take part in the softmax, so changing their number changes the loss; Megatron
+    only needs the padded size divisible by TP, so keeping the saved size keeps the loss curve.
+    """
+    if not args.load:
+        return
+    _, directory = _load_target(args)
+    if not _is_universal(directory):
+        return
+    from megatron_ucp.manifest import read_manifest
+
+    padded = read_manifest(directory)["layout"].get("padded_vocab_size")
+    tp = args.tensor_model_parallel_size
+    if padded and padded >= args.vocab_size and padded % tp == 0 and padded != args.padded_vocab_size:
+        if dist.get_rank() == 0:
+            print(f" keeping the checkpoint's padded vocabulary of {padded} rows "
+                  f"(instead of {args.padded_vocab_size})", flush=True)
+        args.padded_vocab_size = padded
+
+
+def load(args, state, reseed=None):
+    """Resume from `--load`; returns (iteration, consumed_samples).
+
+    `reseed(iteration)` reseeds RNG when a universal checkpoint comes from another layout.
+    """
+    iteration, directory = _load_target(args)
     if args.load_universal or (args.ckpt_format == "universal" and _is_universal(directory)):
         from megatron_ucp.api import load_universal
 
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
-                                iteration=iteration, load_optim=not args.no_load_optim,
-                                load_rng=not args.no_load_rng, model_args=vars(args))
+                                vocab_size=args.vocab_size, iteration=iteration,
+                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
     else:
         from megatron_ucp.train import native

@@ -4,6 +4,7 @@
 own model-parallel state and tears it down at the end.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -21,7 +22,6 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ucp import compat
-from megatron_ucp.errors import ConfigError
 from megatron_ucp.train import checkpointing
 from megatron_ucp.train.args import build_parser, validate
 from megatron_ucp.train.data import build_dataset, microbatches
@@ -134,8 +134,12 @@ def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def pretrain(argv=None) -> list:
-    """Train as the arguments say; return [(iteration, loss)] of the iterations run here."""
+@contextlib.contextmanager
+def session(argv=None):
+    """Parse, initialise parallel state, build model/optimizer/scheduler; tear down at exit.
+
+    Yields (args, state). Several sessions may run one after another in one process group.
+    """
     args = build_parser().parse_args(argv)
     if args.cpu:
         from megatron_ucp import cpu_mode
@@ -143,26 +147,32 @@ def pretrain(argv=None) -> list:
         cpu_mode.enable()
     compat.apply()
     init_distributed(args.cpu)
-    try:
-        validate(args, dist.get_world_size())
-    except ConfigError as e:
-        if dist.get_rank() == 0:
-            print(f"error: {e}", flush=True)
-        raise
+    validate(args, dist.get_world_size())
+    checkpointing.keep_saved_vocab_padding(args)
     initialize(args)
     try:
-        return _train(args)
+        yield args, build_train_state(args)
     finally:
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
 
 
-def _train(args) -> list:
-    state = build_train_state(args)
+def pretrain(argv=None) -> list:
+    """Train as the arguments say; return [(iteration, loss)] of the iterations run here."""
+    with session(argv) as (args, state):
+        return train(args, state)
+
+
+def resume(args, state):
+    """Load `--load` if given; returns (iteration, consumed_samples)."""
+    if not args.load:
+        return 0, 0
+    return checkpointing.load(args, state, reseed=lambda it: set_seeds(args.seed + it))
+
+
+def train(args, state) -> list:
     dataset = build_dataset(args.data_path, args.mock_data, args.vocab_size, args.seq_length, args.seed)
-    iteration, consumed = 0, 0
-    if args.load:
-        iteration, consumed = checkpointing.load(args, state)
+    iteration, consumed = resume(args, state)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     history = []

@@ -1,0 +1,82 @@
+"""Helpers for the multi-process tests: launch tests/runner.py under torchrun and read results."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small GPT that trains in well under a second per iteration on 2 CPU cores.
+BASE = [
+    "--cpu", "--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--vocab-size", "250", "--make-vocab-size-divisible-by", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "5e-3", "--lr-decay-style",
+    "constant", "--seed", "7", "--log-interval", "1000",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900) -> dict:
+    """Run `steps` in one torchrun group of `nproc` CPU processes; return {name: result}."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec, result = workdir / "spec.json", workdir / "result.json"
+    spec.write_text(json.dumps({"steps": steps}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(REPO / "tests" / "runner.py"), str(spec), str(result)]
+    proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
+                          timeout=timeout)
+    results = json.loads(result.read_text()) if result.exists() else {}
+    if proc.returncode != 0 and not any("error" in r for r in results.values()):
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return results
+
+
+def ok(results: dict, name: str) -> dict:
+    r = results.get(name)
+    assert r is not None, f"step {name!r} did not run (an earlier step failed?): {sorted(results)}"
+    assert "error" not in r, f"step {name!r} failed: {r['error']}\n{r.get('traceback', '')}"
+    return r
+
+
+def losses(results: dict, name: str) -> dict:
+    return {int(k): v for k, v in ok(results, name)["losses"].items()}
+
+
+def max_loss_delta(reference: dict, resumed: dict) -> float:
+    assert resumed, "the resumed run trained no iteration"
+    missing = set(resumed) - set(reference)
+    assert not missing, f"reference run lacks iterations {sorted(missing)}"
+    return max(abs(reference[i] - resumed[i]) for i in resumed)
+
+
+def atomic_tensors(checkpoint_iter_dir: Path) -> dict:
+    """Every tensor of every atomic file of a universal checkpoint, by (atomic name, entry)."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted((checkpoint_iter_dir / "tensors").glob("*.safetensors")):
+        for key, value in load_file(str(f)).items():
+            out[(f.name[: -len(".safetensors")], key)] = value
+    return out
+
+
+def assert_same_state(a_dir: Path, b_dir: Path) -> None:
+    """Bitwise equality of every atomic tensor (weights and both Adam moments)."""
+    a, b = atomic_tensors(a_dir), atomic_tensors(b_dir)
+    assert a.keys() == b.keys(), f"tensor sets differ: {sorted(a.keys() ^ b.keys())[:5]}"
+    for key in a:
+        assert a[key].shape == b[key].shape, f"{key}: {a[key].shape} != {b[key].shape}"
+        diff = np.flatnonzero(a[key].view(np.uint32) != b[key].view(np.uint32))
+        assert diff.size == 0, f"{key}: {diff.size} elements differ, first at flat index {diff[0]}"

@@ -1,0 +1,87 @@
+"""Run a list of training steps in one torchrun process group (tests' multi-process tier).
+
+    torchrun --nproc-per-node N tests/runner.py SPEC.json RESULT.json
+
+SPEC is {"steps": [{"name": ..., "op": "train" | "roundtrip", "argv": [...], ...}]}. Each step
+builds its own parallel layout, so one process start-up (megatron imports cost seconds) serves
+many layouts. Rank 0 writes {name: result} to RESULT.json, one step at a time.
+"""
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_ucp import storage  # noqa: E402
+from megatron_ucp.layout import fragment_regions, pieces  # noqa: E402
+from megatron_ucp.load import load_universal  # noqa: E402
+from megatron_ucp.model_map import local_tensors  # noqa: E402
+from megatron_ucp.save import save_universal  # noqa: E402
+from megatron_ucp.train import loop  # noqa: E402
+
+
+def owned_bytes(tensors, manifest) -> int:
+    """Bytes of the slices this rank owns: whole TP-local weights, optimizer fragments' moments."""
+    total = 0
+    for t in tensors:
+        entry = manifest["tensors"][t.name]
+        held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
+                      entry["padding_rows"] if t.rule.kind == "vocab" else None)
+        total += 4 * sum(r.numel for _, r in fragment_regions(held, 0, t.param.numel()))
+        if t.fragment is not None:
+            f = t.fragment
+            total += 8 * sum(r.numel for _, r in fragment_regions(held, f.start, f.stop))
+    return total
+
+
+def train(step):
+    history = loop.pretrain(step["argv"])
+    return {"losses": {str(i): loss for i, loss in history}}
+
+
+def roundtrip(step):
+    """Load universally on this layout, then save again: what the new layout holds, on disk."""
+    with loop.session(step["argv"]) as (args, state):
+        counter = storage.ReadCounter()
+        result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
+                                vocab_size=args.vocab_size, counter=counter)
+        tensors = local_tensors(state.model, state.optimizer, args.vocab_size)
+        owned = owned_bytes(tensors, result.manifest)
+        save_universal(step["save_to"], result.iteration, state.model, state.optimizer,
+                       state.scheduler, vocab_size=args.vocab_size,
+                       consumed_samples=result.consumed_samples)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"read": counter.bytes, "owned": owned})
+        return {"iteration": result.iteration, "per_rank": per_rank,
+                "layout_changed": result.layout_changed}
+
+
+OPS = {"train": train, "roundtrip": roundtrip}
+
+
+def main(spec_path: str, result_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = {}
+    for step in spec["steps"]:
+        try:
+            results[step["name"]] = OPS[step["op"]](step)
+        except Exception as e:  # recorded so that the test names the failing step
+            results[step["name"]] = {"error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc()}
+            if step.get("fatal", True):
+                break
+        finally:
+            if int(os.environ.get("RANK", 0)) == 0:
+                with open(result_path, "w") as f:
+                    json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
