@@ -23,13 +23,17 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(mlp\.experts\.local_experts)\.(\d+)\.(.*)$")
 
 
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.view(-1)
+
+
 @dataclass
 class Fragment:
     """Flat elements [start, stop) of a local parameter whose optimizer state lives here."""
 
     start: int
     stop: int
-    main: torch.Tensor  # fp32 master weight of those elements (1-D)
+    main: torch.Tensor  # fp32 master weight of those elements (1-D views, all three)
     exp_avg: Optional[torch.Tensor]
     exp_avg_sq: Optional[torch.Tensor]
     inner: object  # the torch optimizer holding the state
@@ -78,8 +82,8 @@ def optimizer_fragments(optimizer) -> Dict[torch.nn.Parameter, Fragment]:
                             r = ranges["param"]
                             t = opt._get_main_param_and_optimizer_states(model_param)
                             out[model_param] = Fragment(
-                                r.start, r.end, t["param"].view(-1), t.get("exp_avg"),
-                                t.get("exp_avg_sq"), inner, t["param"],
+                                r.start, r.end, t["param"].view(-1), _flat(t.get("exp_avg")),
+                                _flat(t.get("exp_avg_sq")), inner, t["param"],
                                 main_is_model=False,
                             )
         elif name == "Float16OptimizerWithFloat16Params":
@@ -91,14 +95,14 @@ def optimizer_fragments(optimizer) -> Dict[torch.nn.Parameter, Fragment]:
             for model_param, main in pairs:
                 state = inner.state[main]
                 out[model_param] = Fragment(0, model_param.numel(), main.view(-1),
-                                            state.get("exp_avg"), state.get("exp_avg_sq"), inner,
+                                            _flat(state.get("exp_avg")), _flat(state.get("exp_avg_sq")), inner,
                                             main, main_is_model=main is model_param)
         else:  # FP32Optimizer and other wrappers whose inner params are the model params
             for group in inner.param_groups:
                 for p in group["params"]:
                     state = inner.state[p]
-                    out[p] = Fragment(0, p.numel(), p.data.view(-1), state.get("exp_avg"),
-                                      state.get("exp_avg_sq"), inner, p, main_is_model=True)
+                    out[p] = Fragment(0, p.numel(), p.data.view(-1), _flat(state.get("exp_avg")),
+                                      _flat(state.get("exp_avg_sq")), inner, p, main_is_model=True)
     return out
 
 

@@ -38,6 +38,10 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900) -> dic
     proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
                           timeout=timeout)
     results = json.loads(result.read_text()) if result.exists() else {}
+    for other in sorted(workdir.glob("result.json.rank*")):  # the first failing rank's story
+        for name, r in json.loads(other.read_text()).items():
+            if "error" in r and name in results:
+                results[name]["error"] += f"\n[{other.suffix}] {r['error']}\n{r['traceback']}"
     if proc.returncode != 0 and not any("error" in r for r in results.values()):
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return results

@@ -10,6 +10,7 @@ many layouts. Rank 0 writes {name: result} to RESULT.json, one step at a time.
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -49,7 +50,8 @@ def roundtrip(step):
     with loop.session(step["argv"]) as (args, state):
         counter = storage.ReadCounter()
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
-                                vocab_size=args.vocab_size, counter=counter)
+                                vocab_size=args.vocab_size, iteration=args.ckpt_step,
+                                counter=counter)
         tensors = local_tensors(state.model, state.optimizer, args.vocab_size)
         owned = owned_bytes(tensors, result.manifest)
         save_universal(step["save_to"], result.iteration, state.model, state.optimizer,
@@ -69,16 +71,21 @@ def main(spec_path: str, result_path: str) -> int:
         spec = json.load(f)
     results = {}
     for step in spec["steps"]:
+        start = time.perf_counter()
         try:
             results[step["name"]] = OPS[step["op"]](step)
+            results[step["name"]]["seconds"] = round(time.perf_counter() - start, 2)
         except Exception as e:  # recorded so that the test names the failing step
             results[step["name"]] = {"error": f"{type(e).__name__}: {e}",
                                      "traceback": traceback.format_exc()}
             if step.get("fatal", True):
                 break
         finally:
-            if int(os.environ.get("RANK", 0)) == 0:
-                with open(result_path, "w") as f:
+            rank = int(os.environ.get("RANK", 0))
+            # Rank 0 writes the results; any rank that failed writes its own traceback too.
+            if rank == 0 or "error" in results.get(step["name"], {}):
+                path = result_path if rank == 0 else f"{result_path}.rank{rank}"
+                with open(path, "w") as f:
                     json.dump(results, f, indent=1)
     return 0
 

@@ -98,6 +98,11 @@ def test_create_is_sparse_exact_size_and_truncates_old_content(tmp_path):
         assert f.read(len(lay.header) + 8) == lay.header + b"\0" * 8
     if hasattr(st_, "st_blocks"):
         assert st_.st_blocks * 512 < lay.file_size // 4, "create_tensor_file should not write the data section"
+    small = _layout((8,))
+    with open(path, "wb") as f:  # a stale file of the same size: its bytes must not survive
+        f.write(b"\xff" * small.file_size)
+    create_tensor_file(path, small)
+    assert all(not a.any() for a in np_load_file(path).values())
 
 
 # ---------------------------------------------------------------- concurrent writers
@@ -265,14 +270,15 @@ def test_adjacent_runs_are_coalesced(filled, monkeypatch):
         assert counter.calls == 1
         np.testing.assert_array_equal(out.reshape(100, 10), arrays["param"].reshape(100, 10)[::-1])
     if hasattr(os, "pwritev"):
-        calls = []
+        calls = []  # number of buffers per syscall
         real = os.pwritev
-        monkeypatch.setattr(os, "pwritev", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
         data = -np.arange(1000, dtype=np.float32)
-        write_runs(path, lay, "exp_avg", [(i * 10, i * 10, 10) for i in range(100)], data)
-        assert len(calls) == 1
+        write_runs(path, lay, "exp_avg", [(i * 10, i * 10, 10) for i in range(100)][::-1], data)
+        assert calls == [1]  # adjacent in source and file: merged into one buffer
+        np.testing.assert_array_equal(np_load_file(path)["exp_avg"], data)
         write_runs(path, lay, "exp_avg", [(i * 10, i * 20, 10) for i in range(50)], data)  # gaps: one each
-        assert len(calls) == 51
+        assert calls == [1] * 51
 
 
 @pytest.mark.parametrize("mode", ["short transfers", "no vectored io"])

@@ -1,6 +1,7 @@
 """Where checkpoints go: Megatron's `iter_XXXXXXX/` folders and tracker, in either format."""
 
 import os
+import time
 
 import torch.distributed as dist
 
@@ -34,6 +35,7 @@ def write_tracker(root: str, iteration: int) -> None:
 
 
 def save(args, state, iteration: int, consumed: int) -> None:
+    start = time.perf_counter()
     if args.ckpt_format == "torch_dist":
         from megatron_ucp.train import native
 
@@ -48,8 +50,8 @@ def save(args, state, iteration: int, consumed: int) -> None:
         save_universal(args.save, iteration, state.model, state.optimizer, state.scheduler,
                        vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args))
     if dist.get_rank() == 0:
-        print(f" saved checkpoint at iteration {iteration:8d} to {args.save} ({args.ckpt_format})",
-              flush=True)
+        print(f" saved checkpoint at iteration {iteration:8d} to {args.save} ({args.ckpt_format}) "
+              f"in {time.perf_counter() - start:.2f} s", flush=True)
 
 
 def _load_target(args):

@@ -73,6 +73,10 @@ def transformer_config(args) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=args.bf16,
         deterministic_mode=False,
+        # gloo matches batched isend/irecv between the same two ranks in posting order, which
+        # swaps activations and gradients when PP=2 sends both ways at once; megatron's
+        # unbatched path separates the two directions.
+        batch_p2p_comm=not args.cpu,
         **moe,
     )
 

@@ -1,0 +1,204 @@
+"""Train on one layout, save, resume on another: loss continuity and bitwise state equality.
+
+Real megatron-core GPTs, several CPU processes over gloo. Each torchrun group runs many steps
+(tests/runner.py) so that process start-up is paid once per world size.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import BASE, assert_same_state, losses, max_loss_delta, ok, run_steps
+
+N, K = 10, 5  # train to N, resume from K
+TOL = 1e-4
+
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DIST = ["--use-distributed-optimizer"]
+GQA = [
+    "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "4",
+    "--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--make-vocab-size-divisible-by", "128",  # vocab 250 pads to 256 on TP1/TP2, 512 on TP4
+]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
+
+
+def train(name, extra, iters=N, save=None, interval=None, load=None, step=None, universal=True):
+    argv = BASE + extra + ["--train-iters", str(iters)]
+    if save:
+        argv += ["--save", save, "--save-interval", str(interval)]
+    if load:
+        argv += ["--load", load, "--ckpt-step", str(step)]
+        if universal:
+            argv += ["--load-universal"]
+    return {"name": name, "op": "train", "argv": argv}
+
+
+def roundtrip(name, extra, load, step, save_to):
+    argv = BASE + extra + ["--train-iters", str(N), "--load", load, "--ckpt-step", str(step)]
+    return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("matrix")
+
+
+@pytest.fixture(scope="module")
+def w4(work):
+    d = lambda name: str(work / name)  # noqa: E731
+    steps = [
+        # TP2xPP2 with the distributed optimizer, to TP1xDP4 and TP4 (no distributed optimizer).
+        train("a_tp2pp2", TP2PP2 + DIST, save=d("A"), interval=K),
+        train("b_tp2pp2", TP2PP2 + DIST, load=d("A"), step=K),
+        train("b_tp1dp4", DIST, load=d("A"), step=K),
+        train("b_tp4", ["--tensor-model-parallel-size", "4"], load=d("A"), step=K),
+        roundtrip("r_tp1dp4", DIST, d("A"), K, d("R_tp1dp4")),
+        roundtrip("r_tp4", ["--tensor-model-parallel-size", "4"], d("A"), K, d("R_tp4")),
+        # TP1xPP4 to TP2xPP2.
+        train("a_pp4", ["--pipeline-model-parallel-size", "4"], save=d("B"), interval=K),
+        train("b_pp4_tp2pp2", TP2PP2, load=d("B"), step=K),
+        roundtrip("r_pp4_tp2pp2", TP2PP2 + DIST, d("B"), K, d("R_pp4")),
+        # PP2 with 2 virtual stages per rank to PP4 without.
+        train("a_vpp", ["--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"] + DIST, save=d("C"), interval=K),
+        train("b_vpp_pp4", ["--pipeline-model-parallel-size", "4"], load=d("C"), step=K),
+        roundtrip("r_vpp_pp4", ["--pipeline-model-parallel-size", "4"], d("C"), K, d("R_vpp")),
+        # GQA + SwiGLU + RoPE + RMSNorm + untied, vocab 250: TP1 -> TP2 -> TP4 -> TP1.
+        train("g_tp1", GQA + DIST, save=d("G1"), interval=3),
+        train("g_tp2", GQA + ["--tensor-model-parallel-size", "2"], load=d("G1"), step=3,
+              save=d("G2"), interval=5),
+        train("g_tp4", GQA + ["--tensor-model-parallel-size", "4"] + DIST, load=d("G2"), step=5,
+              save=d("G3"), interval=7),
+        train("g_back_tp1", GQA + DIST, load=d("G3"), step=7),
+        roundtrip("r_g_tp4", GQA + ["--tensor-model-parallel-size", "4"], d("G1"), 3, d("R_g")),
+        # Megatron's own torch_dist format, same layout.
+        train("n_tp2pp2", TP2PP2 + DIST + ["--ckpt-format", "torch_dist"], save=d("N"), interval=K),
+        train("n_resume", TP2PP2 + DIST + ["--ckpt-format", "torch_dist"], load=d("N"), step=K,
+              universal=False),
+        # First link of DP4 (distributed optimizer) -> DP2 -> DP2 (distributed optimizer).
+        train("a_dp4", DIST, save=d("D"), interval=K),
+    ]
+    return run_steps(4, steps, work / "w4")
+
+
+@pytest.fixture(scope="module")
+def w2(work, w4):
+    d = lambda name: str(work / name)  # noqa: E731
+    ok(w4, "a_dp4")
+    steps = [
+        train("b_dp2", [], load=d("D"), step=K, save=d("D2"), interval=7),
+        train("b_dp2_dist", DIST, load=d("D2"), step=7),
+        roundtrip("r_dp4_dp2", [], d("D"), K, d("R_dp2")),
+        # TP2 + sequence parallel -> TP1.
+        train("a_tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], save=d("S"), interval=K),
+        train("b_sp_tp1", DIST, load=d("S"), step=K),
+        roundtrip("r_sp_tp1", DIST, d("S"), K, d("R_sp")),
+        # Layouts that must train (the loss falls).
+        train("t_tp2", ["--tensor-model-parallel-size", "2"]),
+        train("t_pp2", ["--pipeline-model-parallel-size", "2"]),
+        train("t_dp2", []),
+        train("t_dp2_dist", DIST),
+        train("t_vpp", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+        # MoE, 4 experts over EP2 with the distributed optimizer: same-layout resume, both formats.
+        train("m_ep2", MOE + DIST + ["--expert-model-parallel-size", "2"], save=d("M"), interval=K),
+        train("m_ep2_resume", MOE + DIST + ["--expert-model-parallel-size", "2"], load=d("M"), step=K),
+        train("m_ep2_native", MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist"],
+              save=d("MN"), interval=K),
+        train("m_ep2_native_resume", MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format",
+                                                   "torch_dist"], load=d("MN"), step=K, universal=False),
+        train("m_ep1", MOE + DIST, load=d("M"), step=K),
+    ]
+    return run_steps(2, steps, work / "w2")
+
+
+@pytest.fixture(scope="module")
+def w1(work):
+    return run_steps(1, [train("t_single", [])], work / "w1")
+
+
+def _falls(history: dict) -> None:
+    first, last = history[1], history[max(history)]
+    assert len(history) >= 10 and last < first - 0.1, f"loss did not fall: {history}"
+
+
+@pytest.mark.parametrize("name", ["t_tp2", "t_pp2", "t_dp2", "t_dp2_dist", "t_vpp", "a_tp2sp", "m_ep2"])
+def test_two_process_layouts_train(w2, name):
+    _falls(losses(w2, name))
+
+
+@pytest.mark.parametrize("name", ["a_tp2pp2", "a_pp4", "a_vpp", "g_tp1"])
+def test_four_process_layouts_train(w4, name):
+    _falls(losses(w4, name))
+
+
+def test_single_process_trains(w1):
+    _falls(losses(w1, "t_single"))
+
+
+@pytest.mark.parametrize("reference,resumed", [
+    ("a_tp2pp2", "b_tp2pp2"),  # universal, same layout
+    ("n_tp2pp2", "n_resume"),  # megatron torch_dist, same layout
+])
+def test_same_layout_resume_is_bitwise(w4, reference, resumed):
+    assert losses(w4, resumed) == {i: v for i, v in losses(w4, reference).items() if i > K}
+
+
+@pytest.mark.parametrize("reference,resumed", [("m_ep2", "m_ep2_resume"), ("m_ep2_native", "m_ep2_native_resume")])
+def test_moe_same_layout_resume_is_bitwise(w2, reference, resumed):
+    assert losses(w2, resumed) == {i: v for i, v in losses(w2, reference).items() if i > K}
+
+
+@pytest.mark.parametrize("reference,resumed", [
+    ("a_tp2pp2", "b_tp1dp4"), ("a_tp2pp2", "b_tp4"), ("a_pp4", "b_pp4_tp2pp2"),
+    ("a_vpp", "b_vpp_pp4"), ("g_tp1", "g_tp2"), ("g_tp1", "g_tp4"), ("g_tp1", "g_back_tp1"),
+])
+def test_resume_on_another_layout_four_processes(w4, reference, resumed):
+    assert max_loss_delta(losses(w4, reference), losses(w4, resumed)) <= TOL
+
+
+@pytest.mark.parametrize("reference,resumed", [
+    ("a_dp4", "b_dp2"), ("a_dp4", "b_dp2_dist"), ("a_tp2sp", "b_sp_tp1"), ("m_ep2", "m_ep1"),
+])
+def test_resume_on_another_layout_two_processes(w4, w2, reference, resumed):
+    ref = losses(w4, reference) if reference in w4 else losses(w2, reference)
+    assert max_loss_delta(ref, losses(w2, resumed)) <= TOL
+
+
+def test_resumed_runs_redo_no_iteration(w4):
+    assert sorted(losses(w4, "g_back_tp1")) == [8, 9, 10]
+    assert sorted(losses(w4, "b_tp4")) == list(range(K + 1, N + 1))
+
+
+@pytest.mark.parametrize("source,result", [
+    ("A/iter_0000005", "R_tp1dp4/iter_0000005"), ("A/iter_0000005", "R_tp4/iter_0000005"),
+    ("B/iter_0000005", "R_pp4/iter_0000005"), ("C/iter_0000005", "R_vpp/iter_0000005"),
+    ("G1/iter_0000003", "R_g/iter_0000003"),
+])
+def test_state_after_resharded_load_is_bitwise_equal(w4, work, source, result):
+    assert_same_state(work / source, work / result)
+
+
+@pytest.mark.parametrize("source,result", [("D/iter_0000005", "R_dp2/iter_0000005"),
+                                           ("S/iter_0000005", "R_sp/iter_0000005")])
+def test_state_after_resharded_load_is_bitwise_equal_two_processes(w2, work, source, result):
+    assert_same_state(work / source, work / result)
+
+
+@pytest.mark.parametrize("name", ["r_tp1dp4", "r_tp4", "r_pp4_tp2pp2", "r_vpp_pp4", "r_g_tp4"])
+def test_each_rank_reads_only_what_it_owns(w4, name):
+    for rank, r in enumerate(ok(w4, name)["per_rank"]):
+        assert r["owned"] > 0
+        assert r["read"] <= 1.1 * r["owned"], f"rank {rank} read {r['read']} bytes, owns {r['owned']}"
+
+
+def test_manifest_is_layout_free(w4, work):
+    m = json.loads((work / "A" / "iter_0000005" / "ucp.json").read_text())
+    assert m["layout"]["tensor_model_parallel_size"] == 2
+    emb = m["tensors"]["embedding.word_embeddings.weight"]
+    assert emb["shape"] == [250, 32]  # the true vocabulary, not the padded one
+    assert emb["padding_rows"] == 6  # 250 padded to 256 (32 x TP2 = 64) kept beside it
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in m["tensors"]  # global layer numbers
+    assert not any("output_layer" in n for n in m["tensors"])  # tied embedding stored once
