@@ -26,7 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900) -> dict:
+def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
+              allow_failure: bool = False) -> dict:
     """Run `steps` in one torchrun group of `nproc` CPU processes; return {name: result}."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec, result = workdir / "spec.json", workdir / "result.json"
@@ -42,7 +43,7 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900) -> dic
         for name, r in json.loads(other.read_text()).items():
             if "error" in r and name in results:
                 results[name]["error"] += f"\n[{other.suffix}] {r['error']}\n{r['traceback']}"
-    if proc.returncode != 0 and not any("error" in r for r in results.values()):
+    if proc.returncode != 0 and not allow_failure and not any("error" in r for r in results.values()):
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return results
 

@@ -63,7 +63,28 @@ def roundtrip(step):
                 "layout_changed": result.layout_changed}
 
 
-OPS = {"train": train, "roundtrip": roundtrip}
+def kill_during_save(step):
+    """Resume, then save again with rank `rank` SIGKILLed inside `function` on its `after`-th call."""
+    import signal
+
+    with loop.session(step["argv"]) as (args, state):
+        iteration, consumed = loop.resume(args, state)
+        if dist.get_rank() == step["rank"]:
+            original, calls = getattr(storage, step["function"]), [0]
+
+            def dying(*a, **k):
+                calls[0] += 1
+                if calls[0] >= step["after"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original(*a, **k)
+
+            setattr(storage, step["function"], dying)
+        save_universal(args.save, iteration + 1, state.model, state.optimizer, state.scheduler,
+                       vocab_size=args.vocab_size, consumed_samples=consumed)
+    return {"survived": True}
+
+
+OPS = {"train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save}
 
 
 def main(spec_path: str, result_path: str) -> int:

@@ -1,0 +1,172 @@
+"""Look inside a universal checkpoint without a model: summarize it and verify every byte.
+
+Needs only numpy (no torch, no megatron): `describe` summarizes the manifest, `format_table`
+renders that as text, `verify` re-checks every tensor file against the manifest's layout, sizes
+and block checksums and returns the problems found (an empty list means the checkpoint is sound).
+"""
+
+import math
+import os
+
+from megatron_ucp import manifest as mf
+from megatron_ucp import storage
+from megatron_ucp.errors import IncompleteCheckpointError, UCPError
+
+TRACKER = "latest_checkpointed_iteration.txt"  # as megatron_ucp.train.checkpointing (imports torch)
+
+
+def resolve(path: str) -> str:
+    """The checkpoint folder `path` designates: an iter_ folder itself, or a save root's latest."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, mf.MANIFEST)):
+        return path
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isfile(tracker):
+        raise IncompleteCheckpointError(
+            f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise IncompleteCheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
+    return os.path.join(path, f"iter_{int(text):07d}")
+
+
+def _file_bytes(entry: dict) -> int:
+    size = entry.get("file_size")
+    return size if isinstance(size, int) else mf.file_layout(entry).file_size
+
+
+def describe(path: str) -> dict:
+    """Manifest summary plus one row per atomic tensor; JSON-serializable."""
+    directory = resolve(path)
+    m = mf.read_manifest(directory)
+    rows = []
+    for name in sorted(m["tensors"]):
+        e = m["tensors"][name]
+        rule = e.get("rule") or {}
+        rows.append({"name": name, "shape": list(e["shape"]), "rule": rule.get("kind"),
+                     "dim": rule.get("dim", 0), "padding_rows": e["padding_rows"],
+                     "states": list(e["states"]), "bytes": _file_bytes(e)})
+    return {
+        "path": directory, "format": m["format"], "version": m["version"],
+        "iteration": m["iteration"], "consumed_samples": m["consumed_samples"],
+        "architecture": m["architecture"], "layout": m["layout"],
+        "optimizer_step": (m.get("optimizer") or {}).get("step"),
+        "num_tensors": len(rows), "total_bytes": sum(r["bytes"] for r in rows), "tensors": rows,
+    }
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _pairs(d: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in d.items()) if d else "-"
+
+
+def format_table(desc: dict) -> str:
+    head = [
+        f"checkpoint   {desc['path']}",
+        f"format       {desc['format']} v{desc['version']}",
+        f"iteration    {desc['iteration']}  consumed_samples {desc['consumed_samples']}  "
+        f"optimizer_step {desc['optimizer_step'] if desc['optimizer_step'] is not None else '-'}",
+        f"architecture {_pairs(desc['architecture'])}",
+        f"layout       {_pairs(desc['layout'])}",
+        f"tensors      {desc['num_tensors']} files, {desc['total_bytes']} bytes ({_human(desc['total_bytes'])})",
+        "",
+    ]
+    cols = ["name", "shape", "rule", "padding", "states", "bytes"]
+    body = [[r["name"], "x".join(map(str, r["shape"])) or "scalar",
+             r["rule"] if r["rule"] == "replicated" else f"{r['rule']}:{r['dim']}",
+             str(r["padding_rows"]), ",".join(r["states"]), str(r["bytes"])] for r in desc["tensors"]]
+    widths = [max(len(x) for x in col) for col in zip(cols, *body)]
+    right = {3, 5}
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in [cols, ["-" * w for w in widths]] + body]
+    return "\n".join(head + lines)
+
+
+def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
+    """Every mismatching block's message: one fast pass, then block by block if it fails."""
+    try:
+        storage.verify_range(path, base, end, sums, block, base=base, end=end)
+        return []
+    except UCPError:
+        pass
+    problems = []
+    for lo in range(base, end, block):
+        try:
+            storage.verify_range(path, lo, min(lo + block, end), sums, block, base=base, end=end)
+        except UCPError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _verify_tensor(root: str, name: str, entry: dict) -> list:
+    rel = entry["file"]
+    try:
+        path = storage.safe_join(root, rel)
+        want = mf.file_layout(entry)
+    except UCPError as e:
+        return [f"{rel}: {e}"]
+    if not os.path.isfile(path):
+        return [f"{path}: tensor file of {name!r} is missing"]
+    size, block, sums = entry.get("file_size"), entry.get("block_bytes"), entry.get("checksums")
+    if size != want.file_size:
+        return [f"{path}: manifest file_size {size!r} but the layout of {name!r} needs {want.file_size} bytes"]
+    actual = os.path.getsize(path)
+    if actual != size:
+        kind = "truncated" if actual < size else "too long"
+        return [f"{path}: file has {actual} bytes, manifest says {size} ({kind})"]
+    try:
+        got = storage.read_header(path)
+    except UCPError as e:
+        return [str(e)]
+    if got.entries != want.entries or got.header != want.header:
+        return [f"{path}: header {list(got.entries)} does not match the manifest's layout {list(want.entries)}"]
+    base = len(want.header)
+    if not (isinstance(block, int) and block > 0 and isinstance(sums, list)
+            and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
+        return [f"{path}: manifest records bad checksums for {name!r} "
+                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, list) else sums!r} sums)"]
+    return _verify_blocks(path, base, size, sums, block)
+
+
+def _verify_rng(directory: str, layout: dict) -> list:
+    folder = os.path.join(directory, "rng")
+    if not os.path.isdir(folder):
+        return [f"{folder}: RNG folder is missing"]
+    problems = []
+    for fname in sorted(os.listdir(folder)):
+        if fname.endswith(".json"):
+            try:
+                storage.read_json(os.path.join(folder, fname), "RNG state")
+            except UCPError as e:
+                problems.append(str(e))
+    world = layout.get("world_size")
+    for rank in range(world if isinstance(world, int) else 0):
+        p = os.path.join(folder, f"rank_{rank:05d}.json")
+        if not os.path.exists(p):
+            problems.append(f"{p}: RNG state of rank {rank} (of world_size {world}) is missing")
+    return problems
+
+
+def verify(path: str) -> list:
+    """Check every tensor file (presence, header, size, block checksums), unlisted files and RNG
+    states. Returns problem messages naming file and block; empty means OK. An unreadable
+    manifest raises UCPError."""
+    directory = resolve(path)
+    m = mf.read_manifest(directory)
+    problems = []
+    for name in sorted(m["tensors"]):
+        problems += _verify_tensor(directory, name, m["tensors"][name])
+    listed = {e["file"] for e in m["tensors"].values()}
+    tdir = os.path.join(directory, "tensors")
+    for fname in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
+        if f"tensors/{fname}" not in listed:
+            problems.append(f"{os.path.join(tdir, fname)}: not listed in the manifest")
+    return problems + _verify_rng(directory, m["layout"])

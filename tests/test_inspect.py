@@ -1,0 +1,248 @@
+"""Tests for megatron_ucp.inspection and tools/inspect_checkpoint.py on a synthetic universal
+checkpoint written with storage primitives only (no torch, no megatron, no processes group)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_ucp import manifest as mf
+from megatron_ucp import storage
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.inspection import describe, format_table, verify
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = REPO / "tools" / "inspect_checkpoint.py"
+BLOCK = 64
+ITERATION = 12
+TENSORS = {  # name: (shape, rule, padding_rows)
+    "embedding.word_embeddings.weight": ([10, 8], {"kind": "vocab", "dim": 0}, 6),
+    "decoder.layers.0.mlp.linear_fc1.weight": ([32, 8], {"kind": "gated", "dim": 0}, 0),
+    "decoder.layers.0.self_attention.linear_proj.weight": ([8, 8], {"kind": "split", "dim": 1}, 0),
+    "decoder.final_layernorm.weight": ([8], {"kind": "replicated", "dim": 0}, 0),
+}
+
+
+def _make_checkpoint(save: Path) -> Path:
+    root = save / f"iter_{ITERATION:07d}"
+    (root / "tensors").mkdir(parents=True)
+    (root / "rng").mkdir()
+    rng = np.random.default_rng(0)
+    entries = {}
+    for name, (shape, rule, padding) in TENSORS.items():
+        entry = {"file": mf.tensor_file(name), "shape": shape, "dtype": "F32", "rule": rule,
+                 "padding_rows": padding, "states": list(mf.STATES)}
+        layout = mf.file_layout(entry)
+        path = str(root / entry["file"])
+        storage.create_tensor_file(path, layout)
+        for tname, tshape, _ in layout.entries:
+            data = rng.standard_normal(tshape).astype(np.float32)
+            storage.write_runs(path, layout, tname, [(0, 0, data.size)], data)
+        entry.update(file_size=layout.file_size, block_bytes=BLOCK,
+                     checksums=storage.block_checksums(path, len(layout.header), layout.file_size, BLOCK))
+        entries[name] = entry
+    storage.atomic_write_json(str(root / mf.MANIFEST), {
+        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": ITERATION,
+        "consumed_samples": 96,
+        "architecture": {"num_layers": 1, "hidden_size": 8, "vocab_size": 10},
+        "layout": {"world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                   "data_parallel_size": 1, "padded_vocab_size": 16},
+        "optimizer": {"type": "adam", "step": 3}, "scheduler": None, "args": {}, "tensors": entries,
+    })
+    storage.atomic_write_json(str(root / "rng" / "rank_00000.json"), {"python": [3, [1, 2], None]})
+    (save / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
+    return root
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    save = tmp_path / "save"
+    return save, _make_checkpoint(save)
+
+
+def _cli(*args):
+    """The CLI as a user runs it: a fresh interpreter."""
+    return subprocess.run([sys.executable, str(CLI), *map(str, args)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("inspect_checkpoint", CLI)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def cli(capsys):
+    """The CLI's main() in this process (fast): returns (exit code, stdout, stderr)."""
+    main = _load_cli().main
+
+    def run(*args):
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def _file(root: Path, name: str) -> Path:
+    return root / mf.tensor_file(name)
+
+
+def test_describe_and_table(ckpt):
+    save, root = ckpt
+    desc = describe(str(save))
+    assert desc == describe(str(root))
+    assert desc["iteration"] == ITERATION and desc["consumed_samples"] == 96
+    assert desc["optimizer_step"] == 3 and desc["num_tensors"] == len(TENSORS)
+    assert desc["total_bytes"] == sum(os.path.getsize(_file(root, n)) for n in TENSORS)
+    rows = {r["name"]: r for r in desc["tensors"]}
+    assert rows["embedding.word_embeddings.weight"]["padding_rows"] == 6
+    assert rows["decoder.layers.0.self_attention.linear_proj.weight"]["rule"] == "split"
+    assert rows["decoder.layers.0.self_attention.linear_proj.weight"]["dim"] == 1
+    json.dumps(desc)
+    table = format_table(desc)
+    assert str(ITERATION) in table and "split:1" in table and "vocab:0" in table
+    for name in TENSORS:
+        assert name in table
+    # aligned: every tensor row starts its "bytes" column at the same place
+    body = [line for line in table.splitlines() if line.startswith(("embedding", "decoder"))]
+    assert len(body) == len(TENSORS) and len({len(line) for line in body}) == 1
+
+
+def test_verify_ok(ckpt):
+    save, _ = ckpt
+    assert verify(str(save)) == []
+
+
+def test_cli_table_and_json(ckpt, cli):
+    save, root = ckpt
+    r = _cli(save)
+    assert r.returncode == 0, r.stderr
+    assert all(name in r.stdout for name in TENSORS) and str(ITERATION) in r.stdout
+    code, out, err = cli(root, "--json", "--verify")
+    assert code == 0, err
+    desc = json.loads(out)
+    assert desc["num_tensors"] == len(TENSORS) and desc["problems"] == [] and err.startswith("OK: ")
+
+
+def test_cli_verify_ok(ckpt):
+    save, _ = ckpt
+    r = _cli(save, "--verify")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"OK: {len(TENSORS)} files" in r.stdout
+
+
+def test_flipped_byte_names_file_and_block(ckpt):
+    save, root = ckpt
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    path = _file(root, name)
+    header = len(mf.file_layout(describe_entry(root, name)).header)
+    offset = header + 3 * BLOCK + 5  # inside data block 3
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+    problems = verify(str(save))
+    assert len(problems) == 1 and str(path) in problems[0] and "block 3 " in problems[0]
+    r = _cli(save, "--verify")
+    assert r.returncode == 1
+    assert str(path) in r.stdout and "block 3 " in r.stdout
+
+
+def test_several_bad_blocks_all_reported(ckpt):
+    save, root = ckpt
+    name = "embedding.word_embeddings.weight"
+    path = _file(root, name)
+    header = len(mf.file_layout(describe_entry(root, name)).header)
+    raw = bytearray(path.read_bytes())
+    for block in (0, 4):
+        raw[header + block * BLOCK] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    problems = verify(str(save))
+    assert [("block 0 " in p, "block 4 " in p) for p in problems] == [(True, False), (False, True)]
+
+
+def test_truncated_file(ckpt, cli):
+    save, root = ckpt
+    path = _file(root, "decoder.final_layernorm.weight")
+    os.truncate(path, os.path.getsize(path) - 4)
+    problems = verify(str(save))
+    assert len(problems) == 1 and str(path) in problems[0] and "truncated" in problems[0]
+    assert cli(save, "--verify")[0] == 1
+
+
+def test_deleted_file(ckpt, cli):
+    save, root = ckpt
+    path = _file(root, "decoder.final_layernorm.weight")
+    path.unlink()
+    problems = verify(str(save))
+    assert len(problems) == 1 and str(path) in problems[0] and "missing" in problems[0]
+    code, out, _ = cli(save, "--verify")
+    assert code == 1 and str(path) in out
+
+
+def test_unknown_file(ckpt, cli):
+    save, root = ckpt
+    (root / "tensors" / "stray.safetensors").write_bytes(b"x")
+    problems = verify(str(save))
+    assert len(problems) == 1 and "stray.safetensors" in problems[0] and "not listed" in problems[0]
+    code, out, _ = cli(save, "--verify")
+    assert code == 1 and "stray.safetensors" in out
+
+
+def test_wrong_header(ckpt):
+    save, root = ckpt
+    name = "decoder.final_layernorm.weight"
+    path = _file(root, name)
+    # Same byte count, other layout: the states reordered.
+    entry = describe_entry(root, name)
+    other = storage.TensorFileLayout.build([(s, (8,), "F32") for s in reversed(entry["states"])])
+    storage.create_tensor_file(str(path), other)
+    problems = verify(str(save))
+    assert len(problems) == 1 and str(path) in problems[0] and "header" in problems[0]
+
+
+def test_bad_rng_file(ckpt):
+    save, root = ckpt
+    (root / "rng" / "rank_00000.json").write_text("{not json")
+    problems = verify(str(save))
+    assert len(problems) == 1 and "rank_00000.json" in problems[0]
+
+
+def test_corrupt_manifest(ckpt, cli):
+    save, root = ckpt
+    manifest = root / mf.MANIFEST
+    manifest.write_text(manifest.read_text()[:100])
+    with pytest.raises(FormatError):
+        describe(str(save))
+    r = _cli(save, "--verify")
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and mf.MANIFEST in lines[0]
+    code, out, err = cli(save)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and mf.MANIFEST in err
+
+
+def test_not_a_checkpoint(tmp_path, cli):
+    with pytest.raises(IncompleteCheckpointError):
+        describe(str(tmp_path))
+    code, _, err = cli(tmp_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_no_torch_import():
+    code = ("import sys, megatron_ucp.inspection; "
+            "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+
+
+def describe_entry(root: Path, name: str) -> dict:
+    return mf.read_manifest(str(root))["tensors"][name]
