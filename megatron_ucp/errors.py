@@ -27,3 +27,7 @@ class LayoutError(UCPError):
 
 class ConfigError(UCPError):
     """A bad combination of command-line arguments or configuration values."""
+
+
+class SaveError(UCPError):
+    """A save failed (disk full, I/O error, another job owns the folder); nothing was committed."""

@@ -106,7 +106,7 @@ def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
     return problems
 
 
-def _verify_tensor(root: str, name: str, entry: dict) -> list:
+def verify_tensor(root: str, name: str, entry: dict) -> list:
     rel = entry["file"]
     try:
         path = storage.safe_join(root, rel)
@@ -163,7 +163,7 @@ def verify(path: str) -> list:
     m = mf.read_manifest(directory)
     problems = []
     for name in sorted(m["tensors"]):
-        problems += _verify_tensor(directory, name, m["tensors"][name])
+        problems += verify_tensor(directory, name, m["tensors"][name])
     listed = {e["file"] for e in m["tensors"].values()}
     tdir = os.path.join(directory, "tensors")
     for fname in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import rng, storage
-from megatron_ucp.errors import IncompleteCheckpointError, LayoutError, UCPError
+from megatron_ucp.collective import run_everywhere
+from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
 
@@ -75,65 +76,72 @@ def _same_layout(saved: dict, current: dict) -> bool:
     return all(saved.get(k) == current[k] for k in keys)
 
 
-def _raise_everywhere(error: Optional[BaseException]) -> None:
-    """Turn a failure on any rank into the same error on every rank (no rank hangs)."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
-    for rank, e in enumerate(errors):
-        if e is not None:
-            if error is not None:
-                raise error
-            raise UCPError(f"rank {rank} failed to load: {e[0]}: {e[1]}")
+def _prepare(root, model, optimizer, vocab_size, load_optim):
+    m = mf.read_manifest(root)
+    from megatron_ucp.train.model import unwrap
+
+    mf.check_architecture(m["architecture"], mf.architecture(unwrap(model[0]), vocab_size), root)
+    with_optim = optimizer is not None and load_optim
+    if with_optim and any("exp_avg" not in e["states"] for e in m["tensors"].values()):
+        raise IncompleteCheckpointError(
+            f"{root}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
+    tensors = local_tensors(model, optimizer if with_optim else None, vocab_size)
+    _check_tensors(m, tensors, root, strict=False)
+    return m, tensors, with_optim
+
+
+def _verify(root: str, m: dict) -> None:
+    """Check this rank's share of the tensor files (sizes, headers, every block checksum).
+
+    Files are spread over ranks by size, so the whole checkpoint is read once in total.
+    """
+    from megatron_ucp.inspection import verify_tensor
+    from megatron_ucp.plan import assign_files
+
+    sizes = {name: int(e.get("file_size", 0)) for name, e in m["tensors"].items()}
+    mine = assign_files(sizes, dist.get_world_size())[dist.get_rank()]
+    problems = [p for name in mine for p in verify_tensor(root, name, m["tensors"][name])]
+    if problems:
+        raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
 
 
 def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, vocab_size: int,
                    iteration: Optional[int] = None, load_optim: bool = True,
-                   load_rng: bool = True, strict: bool = True, reseed=None,
+                   load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
                    counter: Optional[storage.ReadCounter] = None) -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
-    Collective. `reseed(iteration)` is called when the layout changed (or RNG is not loaded),
-    to reseed deterministically; by default RNG is left as the caller set it up.
+    Collective; a failure on any rank raises on every rank. `verify` checks every block
+    checksum first (the work spread over ranks). `strict` refuses checkpoint tensors that have
+    no place in the model. `reseed(iteration)` is called when the layout changed (or RNG is not
+    loaded), to reseed deterministically.
     """
     from megatron_ucp.save import current_layout
     from megatron_ucp.train.checkpointing import iteration_dir, read_tracker
-    from megatron_ucp.train.model import unwrap
 
     if iteration is None:
-        iteration = read_tracker(load_dir)
+        iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
     counter = counter if counter is not None else storage.ReadCounter()
-    error, m, tensors = None, None, None
-    try:
-        m = mf.read_manifest(root)
-        mf.check_architecture(m["architecture"], mf.architecture(unwrap(model[0]), vocab_size), root)
-        with_optim = optimizer is not None and load_optim
-        if with_optim and "exp_avg" not in next(iter(m["tensors"].values()))["states"]:
-            raise IncompleteCheckpointError(f"{root}: checkpoint holds no optimizer state; load with load_optim=False")
-        tensors = local_tensors(model, optimizer if with_optim else None, vocab_size)
-        _check_tensors(m, tensors, root, strict=False)
-    except UCPError as e:
-        error = e
-    _raise_everywhere(error)
+    m, tensors, with_optim = run_everywhere(_prepare, root, model, optimizer, vocab_size, load_optim)
     if strict:
         _check_tensors(m, tensors, root, strict=True)
+    if verify:
+        run_everywhere(_verify, root, m)
 
-    try:
+    def restore():
         _load_tensors(root, m, tensors, counter)
         if with_optim:
             _set_adam_step(tensors, int((m.get("optimizer") or {}).get("step", 0)))
             if scheduler is not None and m.get("scheduler") is not None:
                 scheduler.load_state_dict(m["scheduler"])
-    except UCPError as e:
-        error = e
-    _raise_everywhere(error)
 
+    run_everywhere(restore)
     changed = not _same_layout(m["layout"], current_layout(optimizer))
     if load_rng and not changed:
-        rng.load(os.path.join(root, "rng"), dist.get_rank())
+        run_everywhere(rng.load, os.path.join(root, "rng"), dist.get_rank())
     elif reseed is not None:
         reseed(int(m["iteration"]))
-    dist.barrier()
     return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m)
 
 

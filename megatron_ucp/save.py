@@ -19,7 +19,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import rng, storage
+from megatron_ucp import ownership, rng, storage
+from megatron_ucp.collective import run_everywhere
+from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
 from megatron_ucp.plan import WriteItem, assign_files, assign_writers, check_coverage
@@ -105,30 +107,21 @@ def _param_groups(optimizer) -> list:
     return out
 
 
-def _make_tmp_dir(save_dir: str, iteration: int) -> str:
-    name = [None]
-    if dist.get_rank() == 0:
-        name[0] = os.path.join(save_dir, f".tmp_iter_{iteration:07d}_{uuid.uuid4().hex[:8]}")
-        os.makedirs(os.path.join(name[0], "tensors"))
-        os.makedirs(os.path.join(name[0], "rng"))
-    dist.broadcast_object_list(name, src=0)
-    return name[0]
+def _prepare(save_dir: str, iteration: int) -> str:
+    """Rank 0: own the folder, clear dead saves' leftovers, make this save's temporary folder."""
+    os.makedirs(save_dir, exist_ok=True)
+    ownership.claim(save_dir)
+    ownership.remove_leftovers(save_dir)
+    tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}_{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.join(tmp, "tensors"))
+    os.makedirs(os.path.join(tmp, "rng"))
+    return tmp
 
 
-def save_universal(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
-                   vocab_size: int, consumed_samples: int = 0, args: dict = None) -> str:
-    """Write a universal checkpoint of the model (and optimizer, scheduler) at `iteration`.
-
-    Collective: every rank of the job calls it. Returns the committed folder.
-    """
-    from megatron_ucp.train.checkpointing import iteration_dir, write_tracker
-    from megatron_ucp.train.model import unwrap
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    states = mf.STATES if optimizer is not None else ("param",)
-    tensors = local_tensors(model, optimizer, vocab_size)
-    offers, sources = _offers(tensors, states, optimizer is not None)
-    gathered = [None] * world
+def _plan(tensors, states, with_optimizer: bool):
+    """Gather every rank's offers; every rank derives the same plan and file entries."""
+    offers, sources = _offers(tensors, states, with_optimizer)
+    gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (offers, _tensor_entries(tensors, states)))
     entries = {}
     for _, e in gathered:
@@ -140,15 +133,16 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
         if e["padding_rows"]:
             part_shapes[(name, "padding")] = padding_shape(e["shape"], e["padding_rows"])
     check_coverage(part_shapes, plan)
+    return plan, sources, entries, part_shapes
 
-    tmp = _make_tmp_dir(save_dir, iteration)
-    layouts = {name: mf.file_layout(e) for name, e in entries.items()}
-    creators = assign_files({n: l.file_size for n, l in layouts.items()}, world)
-    for name in creators[rank]:
+
+def _create_files(tmp, entries, layouts, mine) -> None:
+    for name in mine:
         storage.create_tensor_file(os.path.join(tmp, entries[name]["file"]), layouts[name])
-    dist.barrier()
 
-    for item in plan[rank]:
+
+def _write(tmp, items, sources, entries, layouts, part_shapes, states) -> None:
+    for item in items:
         offset, data = sources[item.key]
         path = os.path.join(tmp, entries[item.name]["file"])
         runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
@@ -156,52 +150,96 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
             chunk = _to_numpy(data[state][offset:offset + item.region.numel])
             storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
                                runs, chunk)
-    rng.save(os.path.join(tmp, "rng"), rank)
-    dist.barrier()
+    rng.save(os.path.join(tmp, "rng"), dist.get_rank())
 
-    checksums = {}
-    for name in creators[rank]:
+
+def _checksum(tmp, entries, layouts, mine) -> dict:
+    out = {}
+    for name in mine:
         path = os.path.join(tmp, entries[name]["file"])
         storage.fsync_file(path)
-        header = len(layouts[name].header)
-        checksums[name] = {
+        out[name] = {
             "file_size": layouts[name].file_size,
             "block_bytes": storage.BLOCK_BYTES,
-            "checksums": storage.block_checksums(path, header, layouts[name].file_size),
+            "checksums": storage.block_checksums(path, len(layouts[name].header), layouts[name].file_size),
         }
-    all_checksums = [None] * world
-    dist.all_gather_object(all_checksums, checksums)
+    return out
 
-    final = iteration_dir(save_dir, iteration)
-    if rank == 0:
-        for c in all_checksums:
-            for name, info in c.items():
-                entries[name].update(info)
-        first = unwrap(model[0])
-        layout = current_layout(optimizer)
-        for name, e in entries.items():
-            if e["rule"]["kind"] == "vocab":
-                layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
-        manifest = {
-            "format": mf.FORMAT_NAME,
-            "version": mf.FORMAT_VERSION,
-            "iteration": int(iteration),
-            "consumed_samples": int(consumed_samples),
-            "architecture": mf.architecture(first, vocab_size),
-            "layout": layout,
-            "optimizer": None if optimizer is None else {
-                "type": "adam", "step": _adam_step(tensors), "param_groups": _param_groups(optimizer)},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "args": _jsonable(args or {}),
-            "tensors": entries,
-        }
-        storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
-        storage.fsync_dir(os.path.join(tmp, "tensors"))
-        storage.fsync_dir(os.path.join(tmp, "rng"))
-        _replace_dir(tmp, final)
-        write_tracker(save_dir, iteration)
-    dist.barrier()
+
+def save_universal(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
+                   vocab_size: int, consumed_samples: int = 0, args: dict = None,
+                   keep_last: int = None) -> str:
+    """Write a universal checkpoint of the model (and optimizer, scheduler) at `iteration`.
+
+    Collective: every rank of the job calls it. Returns the committed folder. A failure on any
+    rank (disk full, I/O error, another job owning the folder) raises SaveError on every rank,
+    removes this save's temporary folder and leaves earlier checkpoints as they were.
+    `keep_last` prunes older complete checkpoints after the commit.
+    """
+    from megatron_ucp.train.checkpointing import iteration_dir
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    states = mf.STATES if optimizer is not None else ("param",)
+    tensors = local_tensors(model, optimizer, vocab_size)
+    plan, sources, entries, part_shapes = _plan(tensors, states, optimizer is not None)
+    layouts = {name: mf.file_layout(e) for name, e in entries.items()}
+    creators = assign_files({n: layout.file_size for n, layout in layouts.items()}, world)
+
+    tmp = None
+    try:
+        tmp = [run_everywhere(lambda: _prepare(save_dir, iteration) if rank == 0 else None)]
+        dist.broadcast_object_list(tmp, src=0)
+        tmp = tmp[0]
+        run_everywhere(_create_files, tmp, entries, layouts, creators[rank])
+        run_everywhere(_write, tmp, plan[rank], sources, entries, layouts, part_shapes, states)
+        checksums = run_everywhere(_checksum, tmp, entries, layouts, creators[rank])
+        all_checksums = [None] * world
+        dist.all_gather_object(all_checksums, checksums)
+        final = iteration_dir(save_dir, iteration)
+        run_everywhere(lambda: _commit(
+            save_dir, tmp, final, iteration, entries, all_checksums, model, optimizer, scheduler,
+            tensors, vocab_size, consumed_samples, args, keep_last) if rank == 0 else None)
+    except Exception as e:
+        if rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, SaveError):
+            raise
+        raise SaveError(f"save of iteration {iteration} to {save_dir} failed, nothing committed: {e}") from e
     return final
+
+
+def _commit(save_dir, tmp, final, iteration, entries, all_checksums, model, optimizer, scheduler,
+            tensors, vocab_size, consumed_samples, args, keep_last) -> None:
+    """Rank 0: manifest into the temporary folder, rename it into place, then the tracker."""
+    from megatron_ucp.train.checkpointing import write_tracker
+    from megatron_ucp.train.model import unwrap
+
+    for c in all_checksums:
+        for name, info in c.items():
+            entries[name].update(info)
+    layout = current_layout(optimizer)
+    for e in entries.values():
+        if e["rule"]["kind"] == "vocab":
+            layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
+    manifest = {
+        "format": mf.FORMAT_NAME,
+        "version": mf.FORMAT_VERSION,
+        "iteration": int(iteration),
+        "consumed_samples": int(consumed_samples),
+        "architecture": mf.architecture(unwrap(model[0]), vocab_size),
+        "layout": layout,
+        "optimizer": None if optimizer is None else {
+            "type": "adam", "step": _adam_step(tensors), "param_groups": _param_groups(optimizer)},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "args": _jsonable(args or {}),
+        "tensors": entries,
+    }
+    storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
+    storage.fsync_dir(os.path.join(tmp, "tensors"))
+    storage.fsync_dir(os.path.join(tmp, "rng"))
+    _replace_dir(tmp, final)
+    write_tracker(save_dir, iteration)
+    ownership.prune(save_dir, keep_last, newest=iteration)
 
 
 def _replace_dir(tmp: str, final: str) -> None:

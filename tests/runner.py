@@ -84,7 +84,48 @@ def kill_during_save(step):
     return {"survived": True}
 
 
-OPS = {"train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save}
+def load_expecting_error(step):
+    """Load `--load`; report the error message every rank raised (or that it loaded)."""
+    from megatron_ucp.errors import UCPError
+
+    try:
+        with loop.session(step["argv"]) as (args, state):
+            iteration, _ = loop.resume(args, state)
+            return {"loaded": iteration}
+    except UCPError as e:  # raised while resolving the checkpoint or while loading it
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, f"{type(e).__name__}: {e}")
+        return {"raised": messages}
+
+
+def save_with_disk_full(step):
+    """Resume, then save with every positional write on rank `rank` failing with ENOSPC."""
+    import errno
+
+    from megatron_ucp.errors import UCPError
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with loop.session(step["argv"]) as (args, state):
+        iteration, consumed = loop.resume(args, state)
+        saved = os.pwrite, os.pwritev
+        if dist.get_rank() == step["rank"]:
+            os.pwrite = os.pwritev = full
+        try:
+            save_universal(args.save, iteration + 1, state.model, state.optimizer, state.scheduler,
+                           vocab_size=args.vocab_size, consumed_samples=consumed)
+            return {"saved": True}
+        except UCPError as e:
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, f"{type(e).__name__}: {e}")
+            return {"raised": messages}
+        finally:
+            os.pwrite, os.pwritev = saved
+
+
+OPS = {"train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
+       "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full}
 
 
 def main(spec_path: str, result_path: str) -> int:

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="dp_reshardable",
         help="torch_dist only: how the distributed optimizer state is sharded",
     )
+    g.add_argument("--keep-last", type=int, default=None,
+                   help="universal: keep only the newest N checkpoints (never the one the tracker names)")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="universal: skip the block-checksum verification of a checkpoint on load")
+    g.add_argument("--no-strict-load", action="store_true",
+                   help="universal: ignore checkpoint tensors that have no place in the model")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")

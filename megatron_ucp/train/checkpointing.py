@@ -48,7 +48,8 @@ def save(args, state, iteration: int, consumed: int) -> None:
         from megatron_ucp.api import save_universal
 
         save_universal(args.save, iteration, state.model, state.optimizer, state.scheduler,
-                       vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args))
+                       vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args),
+                       keep_last=args.keep_last)
     if dist.get_rank() == 0:
         print(f" saved checkpoint at iteration {iteration:8d} to {args.save} ({args.ckpt_format}) "
               f"in {time.perf_counter() - start:.2f} s", flush=True)
@@ -94,7 +95,8 @@ def load(args, state, reseed=None):
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=iteration,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-                                reseed=reseed)
+                                strict=not args.no_strict_load,
+                                verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
     else:
         from megatron_ucp.train import native

@@ -1,0 +1,158 @@
+"""Faults and bad input on real checkpoints: each is a clear error on every rank, naming the file or
+key and what was expected; nothing loads silently wrong and no earlier checkpoint is damaged."""
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from harness import BASE, losses, ok, run_steps
+
+LAYOUT = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+ARGS = BASE + LAYOUT + ["--train-iters", "4"]
+TENSOR = "decoder.layers.1.mlp.linear_fc1.weight"
+
+
+def _manifest(ckpt: Path) -> Path:
+    return ckpt / "iter_0000004" / "ucp.json"
+
+
+def _tensor(ckpt: Path, name=TENSOR) -> Path:
+    return ckpt / "iter_0000004" / "tensors" / f"{name}.safetensors"
+
+
+def _edit_manifest(fn):
+    def corrupt(ckpt):
+        m = json.loads(_manifest(ckpt).read_text())
+        fn(m)
+        _manifest(ckpt).write_text(json.dumps(m))
+    return corrupt
+
+
+def _flip(ckpt):
+    path = _tensor(ckpt)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(ckpt):
+    path = _tensor(ckpt)
+    os.truncate(path, path.stat().st_size - 100)
+
+
+def _huge_header(ckpt):
+    path = _tensor(ckpt)
+    data = bytearray(path.read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    path.write_bytes(bytes(data))
+
+
+def _add_unexpected(ckpt):
+    """A tensor the model has no place for (layer 9 of a 4-layer model), file and all."""
+    extra = "decoder.layers.9.mlp.linear_fc1.weight"
+    shutil.copy(_tensor(ckpt), _tensor(ckpt, extra))
+    _edit_manifest(lambda m: m["tensors"].__setitem__(
+        extra, dict(m["tensors"][TENSOR], file=f"tensors/{extra}.safetensors")))(ckpt)
+
+
+# name: (corruption of a copy of the checkpoint, extra argv, substrings every rank's error must hold)
+CASES = {
+    "bit_flip": (_flip, [], ["IntegrityError", f"{TENSOR}.safetensors", "block"]),
+    "truncated": (_truncate, [], ["IntegrityError", f"{TENSOR}.safetensors", "truncated"]),
+    "truncated_unverified": (_truncate, ["--no-verify-checkpoint"], ["IntegrityError", f"{TENSOR}.safetensors"]),
+    "missing_file": (lambda c: _tensor(c).unlink(), [], [f"{TENSOR}.safetensors", "missing"]),
+    "huge_header": (_huge_header, [], ["IntegrityError", f"{TENSOR}.safetensors", "header claims"]),
+    "garbage_manifest": (lambda c: _manifest(c).write_bytes(b"\x00garbage{"), [], ["FormatError", "ucp.json"]),
+    "truncated_manifest": (lambda c: _manifest(c).write_text(_manifest(c).read_text()[:200]), [],
+                           ["FormatError", "ucp.json"]),
+    "future_version": (_edit_manifest(lambda m: m.update(version=99)), [], ["FormatError", "version 99"]),
+    "missing_tensor": (_edit_manifest(lambda m: m["tensors"].pop(TENSOR)), [],
+                       ["IncompleteCheckpointError", TENSOR]),
+    "unexpected_tensor": (_add_unexpected, [], ["LayoutError", "decoder.layers.9", "strict"]),
+    "escaping_path": (_edit_manifest(lambda m: m["tensors"][TENSOR].update(file="../../../etc/passwd")), [],
+                      ["FormatError", TENSOR]),
+    "bad_tracker": (lambda c: (c / "latest_checkpointed_iteration.txt").write_text("four"), [],
+                    ["FormatError", "latest_checkpointed_iteration.txt"]),
+    "hidden_size": (None, ["--hidden-size", "48"], ["LayoutError", "hidden_size: checkpoint 32, model 48"]),
+    "num_layers": (None, ["--num-layers", "2"], ["LayoutError", "num_layers: checkpoint 4, model 2"]),
+    "num_heads": (None, ["--num-attention-heads", "8"], ["LayoutError", "num_attention_heads: checkpoint 4, model 8"]),
+    "vocab": (None, ["--vocab-size", "300"], ["LayoutError", "vocab_size: checkpoint 250, model 300"]),
+}
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults")
+    good = work / "good"
+    first = run_steps(2, [{"name": "a", "op": "train", "argv": ARGS + ["--save", str(good), "--save-interval", "2"]}],
+                      work / "a")
+    ok(first, "a")
+    steps = []
+    for name, (corrupt, extra, _) in CASES.items():
+        ckpt = good
+        if corrupt is not None:
+            ckpt = work / name
+            shutil.copytree(good, ckpt)
+            corrupt(ckpt)
+        steps.append({"name": name, "op": "load_expecting_error", "fatal": False,
+                      "argv": ARGS + extra + ["--load", str(ckpt), "--train-iters", "6"]})
+    unexpected = work / "unexpected_tensor"
+    steps.append({"name": "unexpected_not_strict", "op": "load_expecting_error", "fatal": False,
+                  "argv": ARGS + ["--load", str(unexpected), "--no-strict-load", "--train-iters", "6"]})
+    full = work / "disk_full"
+    shutil.copytree(good, full)
+    steps.append({"name": "disk_full", "op": "save_with_disk_full", "rank": 1, "fatal": False,
+                  "argv": ARGS + ["--load", str(full), "--save", str(full)]})
+    owned = work / "owned"
+    shutil.copytree(good, owned)
+    (owned / ".ucp_owner.json").write_text(json.dumps({"job": "someone-else", "host": os.uname().nodename,
+                                                       "pid": os.getpid()}))
+    steps.append({"name": "other_job", "op": "save_with_disk_full", "rank": -1, "fatal": False,
+                  "argv": ARGS + ["--load", str(owned), "--save", str(owned)]})
+    steps.append({"name": "keep_last", "op": "train", "fatal": False,
+                  "argv": ARGS + ["--save", str(work / "keep"), "--save-interval", "1", "--keep-last", "2"]})
+    return work, run_steps(2, steps, work / "b")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_a_clear_error_on_every_rank(faults, case):
+    _, results = faults
+    r = ok(results, case)
+    assert "raised" in r, f"{case}: loaded without complaint: {r}"
+    for rank, message in enumerate(r["raised"]):
+        for part in CASES[case][2]:
+            assert part in message, f"{case}, rank {rank}: {part!r} not in {message!r}"
+
+
+def test_unexpected_tensors_load_when_not_strict(faults):
+    _, results = faults
+    assert ok(results, "unexpected_not_strict") == {"loaded": 4, "seconds": ok(results, "unexpected_not_strict")["seconds"]}
+
+
+def test_disk_full_fails_cleanly(faults):
+    work, results = faults
+    r = ok(results, "disk_full")
+    assert "raised" in r
+    assert all(m.startswith("SaveError") and "No space left on device" in m for m in r["raised"]), r["raised"]
+    folder = work / "disk_full"
+    assert (folder / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(("iter_", ".tmp"))) == \
+        ["iter_0000002", "iter_0000004"]
+
+
+def test_second_job_cannot_save_into_an_owned_folder(faults):
+    work, results = faults
+    r = ok(results, "other_job")
+    assert "raised" in r and all("another job" in m and "someone-else" in m for m in r["raised"]), r
+    assert not (work / "owned" / "iter_0000005").exists()
+
+
+def test_keep_last_keeps_the_newest(faults):
+    work, results = faults
+    assert sorted(losses(results, "keep_last")) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (work / "keep").iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000003", "iter_0000004"]
