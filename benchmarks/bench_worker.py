@@ -1,0 +1,123 @@
+"""One torchrun group of the checkpoint benchmark (see bench_checkpoint.py, which launches it)."""
+
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_ucp import storage  # noqa: E402
+from megatron_ucp.load import load_universal  # noqa: E402
+from megatron_ucp.save import save_universal  # noqa: E402
+from megatron_ucp.train import loop, native  # noqa: E402
+from megatron_ucp.train.checkpointing import iteration_dir, write_tracker  # noqa: E402
+
+
+def timed(fn):
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    dist.barrier()
+    return time.perf_counter() - start, result
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def disk_baseline(work: str, nbytes: int) -> dict:
+    """Each rank writes (fsync) then reads its share of `nbytes` in 64 MiB sequential blocks."""
+    share = nbytes // dist.get_world_size()
+    path = os.path.join(work, f"baseline_{dist.get_rank()}.bin")
+    block = bytes(64 * 2**20)
+
+    def write():
+        with open(path, "wb") as f:
+            left = share
+            while left > 0:
+                left -= f.write(block[: min(left, len(block))])
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 * 2**20):
+                pass
+
+    t_write, _ = timed(write)
+    t_read, _ = timed(read)
+    os.unlink(path)
+    return {"write_s": t_write, "read_s": t_read, "bytes": share * dist.get_world_size()}
+
+
+def checkpoint_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    work, base = spec["work"], spec["model"]
+    results = {}
+    uni, td_dp, td_full = (os.path.join(work, n) for n in ("universal", "td_dp", "td_full"))
+    with loop.session(base + spec["src"]) as (args, state):
+        # One real step so that Adam's moments exist, as in any checkpoint worth saving.
+        from megatron_ucp.train.data import build_dataset, microbatches
+        from megatron.core import parallel_state as ps
+
+        ds = build_dataset(None, True, args.vocab_size, args.seq_length, args.seed)
+        batches = microbatches(ds, 0, args.global_batch_size, args.micro_batch_size,
+                               ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        loop.train_step(state, batches, args)
+        t, _ = timed(lambda: save_universal(uni, 1, state.model, state.optimizer, state.scheduler,
+                                            vocab_size=args.vocab_size))
+        results["universal_save_s"] = t
+        results["checkpoint_bytes"] = checkpoint_bytes(iteration_dir(uni, 1))
+        for name, folder, fmt in (("torch_dist_dp_reshardable", td_dp, "dp_reshardable"),
+                                  ("torch_dist_fully_reshardable", td_full, "fully_reshardable")):
+            args.dist_ckpt_optim_format = fmt
+            t, _ = timed(lambda: native.save(args, state, 1, 0, iteration_dir(folder, 1)))
+            if dist.get_rank() == 0:
+                write_tracker(folder, 1)
+            results[f"{name}_save_s"] = t
+        results["rss_after_saves_mib"] = rss_mib()
+        # Async stall baseline: an in-memory copy of this rank's state.
+        t, _ = timed(lambda: [p.detach().clone() for m in state.model for p in m.parameters()])
+        results["memcpy_model_s"] = t
+        # Same-layout load of the default format (the only layout it can load into).
+        args.dist_ckpt_optim_format = "dp_reshardable"
+        t, _ = timed(lambda: native.load(args, state, iteration_dir(td_dp, 1)))
+        results["torch_dist_dp_reshardable_same_layout_load_s"] = t
+    results["disk"] = disk_baseline(work, results["checkpoint_bytes"])
+    with loop.session(base + spec["dst"]) as (args, state):
+        counter = storage.ReadCounter()
+        t, r = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
+                                            vocab_size=args.vocab_size, counter=counter, verify=False))
+        results["universal_resharded_load_s"] = t
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, counter.bytes)
+        results["universal_load_bytes_read_per_rank"] = gathered
+        t, r = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
+                                            vocab_size=args.vocab_size, verify=True))
+        results["universal_resharded_load_verified_s"] = t
+        args.dist_ckpt_optim_format = "fully_reshardable"
+        t, _ = timed(lambda: native.load(args, state, iteration_dir(td_full, 1)))
+        results["torch_dist_fully_reshardable_resharded_load_s"] = t
+        rss = [None] * dist.get_world_size()
+        dist.all_gather_object(rss, rss_mib())
+        results["peak_rss_mib_per_rank"] = rss
+    if dist.get_rank() == 0:
+        json.dump(results, open(out_path, "w"), indent=1)
+        for folder in (uni, td_dp, td_full):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2])
