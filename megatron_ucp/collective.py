@@ -8,7 +8,7 @@ from megatron_ucp import errors as errors_module
 from megatron_ucp.errors import UCPError
 
 
-def agree(error: Optional[BaseException]) -> None:
+def agree(error: Optional[BaseException], group=None) -> None:
     """A barrier that also raises, on every rank, the first rank's error (if any rank failed).
 
     The failing rank re-raises its own exception; the others raise the same class of
@@ -17,7 +17,7 @@ def agree(error: Optional[BaseException]) -> None:
     """
     errors = [None] * dist.get_world_size()
     report = None if error is None else (type(error).__name__, str(error))
-    dist.all_gather_object(errors, report)
+    dist.all_gather_object(errors, report, group=group)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if not failed:
         return
@@ -30,12 +30,12 @@ def agree(error: Optional[BaseException]) -> None:
     raise cls(f"{message} (raised on rank {rank})")
 
 
-def run_everywhere(fn, *args, **kwargs):
-    """Run `fn` on this rank, then `agree` on the outcome; returns fn's result."""
+def run_everywhere(fn, *args, group=None, **kwargs):
+    """Run `fn` on this rank, then `agree` (over `group`) on the outcome; returns fn's result."""
     error, result = None, None
     try:
         result = fn(*args, **kwargs)
     except Exception as e:  # reported to every rank by agree()
         error = e
-    agree(error)
+    agree(error, group)
     return result

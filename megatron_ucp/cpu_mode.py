@@ -202,6 +202,22 @@ def _patch_modules():
     optimizer.clip_grad_by_total_norm_fp32 = clip
 
 
+def _fork_checkpoint_queue():
+    """megatron's torch_dist writer starts its results-queue Manager with 'spawn', which
+    re-imports the main module in a fresh interpreter (tens of seconds per rank on a small CPU
+    machine); without CUDA in the process, 'fork' is safe and immediate."""
+    import multiprocessing
+
+    fs_async = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+
+    def results_queue():
+        if fs_async._results_queue is None:
+            fs_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return fs_async._results_queue
+
+    fs_async._get_write_results_queue = results_queue
+
+
 def enable() -> None:
     """Turn on CPU mode in this process (idempotent). Call before building models."""
     global _ENABLED
@@ -210,4 +226,5 @@ def enable() -> None:
     _patch_torch_cuda()
     _patch_modules()
     _patch_rng_tracker()
+    _fork_checkpoint_queue()
     _ENABLED = True

@@ -46,8 +46,9 @@ def restore(state: dict) -> None:
     tracker.set_states({k: torch.tensor(v, dtype=torch.uint8) for k, v in state["tracker"].items()})
 
 
-def save(directory: str, rank: int) -> None:
-    storage.atomic_write_json(_path(directory, rank), capture())
+def save(directory: str, rank: int, state: dict = None) -> None:
+    """Write `state` (by default, the state now) as this rank's RNG file."""
+    storage.atomic_write_json(_path(directory, rank), state if state is not None else capture())
 
 
 def load(directory: str, rank: int) -> None:

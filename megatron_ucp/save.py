@@ -9,8 +9,11 @@
    leaves the previous checkpoint and tracker untouched.
 """
 
+import copy
+import functools
 import os
 import shutil
+import threading
 import uuid
 
 import numpy as np
@@ -141,16 +144,26 @@ def _create_files(tmp, entries, layouts, mine) -> None:
         storage.create_tensor_file(os.path.join(tmp, entries[name]["file"]), layouts[name])
 
 
-def _write(tmp, items, sources, entries, layouts, part_shapes, states) -> None:
+def _snapshot(items, sources, states, copy: bool) -> dict:
+    """The bytes this rank will write, as fp32 numpy arrays (copies for an asynchronous save)."""
+    out = {}
     for item in items:
         offset, data = sources[item.key]
-        path = os.path.join(tmp, entries[item.name]["file"])
-        runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
+        out[item.key] = {}
         for state in states:
             chunk = _to_numpy(data[state][offset:offset + item.region.numel])
+            out[item.key][state] = chunk.copy() if copy else chunk
+    return out
+
+
+def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> None:
+    for item in items:
+        path = os.path.join(tmp, entries[item.name]["file"])
+        runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
+        for state, chunk in snapshot[item.key].items():
             storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
                                runs, chunk)
-    rng.save(os.path.join(tmp, "rng"), dist.get_rank())
+    rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
 
 
 def _checksum(tmp, entries, layouts, mine) -> dict:
@@ -166,39 +179,91 @@ def _checksum(tmp, entries, layouts, mine) -> dict:
     return out
 
 
+_CHECKPOINT_GROUP = None
+
+
+def _checkpoint_group():
+    """A process group of its own for background saves, so their collectives never interleave
+    with training's on the same communicator. Created collectively on the first async save."""
+    global _CHECKPOINT_GROUP
+    if _CHECKPOINT_GROUP is None:
+        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP
+
+
+class AsyncSave:
+    """A save running in a background thread; `wait()` returns its folder or raises its error."""
+
+    def __init__(self, fn):
+        self._result, self._error = None, None
+
+        def run():
+            try:
+                self._result = fn()
+            except BaseException as e:  # handed to the caller by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="ucp-async-save", daemon=False)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 def save_universal(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
                    vocab_size: int, consumed_samples: int = 0, args: dict = None,
-                   keep_last: int = None) -> str:
+                   keep_last: int = None, async_save: bool = False):
     """Write a universal checkpoint of the model (and optimizer, scheduler) at `iteration`.
 
     Collective: every rank of the job calls it. Returns the committed folder. A failure on any
     rank (disk full, I/O error, another job owning the folder) raises SaveError on every rank,
     removes this save's temporary folder and leaves earlier checkpoints as they were.
-    `keep_last` prunes older complete checkpoints after the commit.
+    `keep_last` prunes older complete checkpoints after the commit. With `async_save`, the
+    caller waits only for the plan and an in-memory copy of the bytes this rank writes; files
+    are written and committed in a background thread, and an `AsyncSave` is returned (call
+    `wait()` before the next save and before exit).
     """
-    from megatron_ucp.train.checkpointing import iteration_dir
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     states = mf.STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
     plan, sources, entries, part_shapes = _plan(tensors, states, optimizer is not None)
+    snapshot = _snapshot(plan[rank], sources, states, copy=async_save)
+    head = _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
+                          consumed_samples, args) if rank == 0 else None
+    job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, entries,
+                            part_shapes, rng.capture(), head, keep_last,
+                            _checkpoint_group() if async_save else None)
+    return AsyncSave(job) if async_save else job()
+
+
+def _execute(save_dir, iteration, items, snapshot, entries, part_shapes, rng_state, head, keep_last,
+             group):
+    """Files, checksums and commit; every step agreed by all ranks over `group`."""
+    from megatron_ucp.train.checkpointing import iteration_dir
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     layouts = {name: mf.file_layout(e) for name, e in entries.items()}
     creators = assign_files({n: layout.file_size for n, layout in layouts.items()}, world)
-
+    everywhere = functools.partial(run_everywhere, group=group)
     tmp = None
     try:
-        tmp = [run_everywhere(lambda: _prepare(save_dir, iteration) if rank == 0 else None)]
-        dist.broadcast_object_list(tmp, src=0)
+        tmp = [everywhere(lambda: _prepare(save_dir, iteration) if rank == 0 else None)]
+        dist.broadcast_object_list(tmp, src=0, group=group)
         tmp = tmp[0]
-        run_everywhere(_create_files, tmp, entries, layouts, creators[rank])
-        run_everywhere(_write, tmp, plan[rank], sources, entries, layouts, part_shapes, states)
-        checksums = run_everywhere(_checksum, tmp, entries, layouts, creators[rank])
+        everywhere(_create_files, tmp, entries, layouts, creators[rank])
+        everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)
+        checksums = everywhere(_checksum, tmp, entries, layouts, creators[rank])
         all_checksums = [None] * world
-        dist.all_gather_object(all_checksums, checksums)
+        dist.all_gather_object(all_checksums, checksums, group=group)
         final = iteration_dir(save_dir, iteration)
-        run_everywhere(lambda: _commit(
-            save_dir, tmp, final, iteration, entries, all_checksums, model, optimizer, scheduler,
-            tensors, vocab_size, consumed_samples, args, keep_last) if rank == 0 else None)
+        everywhere(lambda: _commit(save_dir, tmp, final, iteration, head, all_checksums, keep_last)
+                   if rank == 0 else None)
     except Exception as e:
         if rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -208,20 +273,16 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     return final
 
 
-def _commit(save_dir, tmp, final, iteration, entries, all_checksums, model, optimizer, scheduler,
-            tensors, vocab_size, consumed_samples, args, keep_last) -> None:
-    """Rank 0: manifest into the temporary folder, rename it into place, then the tracker."""
-    from megatron_ucp.train.checkpointing import write_tracker
+def _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
+                   consumed_samples, args) -> dict:
+    """Everything in the manifest but the checksums, taken when the save is called."""
     from megatron_ucp.train.model import unwrap
 
-    for c in all_checksums:
-        for name, info in c.items():
-            entries[name].update(info)
     layout = current_layout(optimizer)
     for e in entries.values():
         if e["rule"]["kind"] == "vocab":
             layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
-    manifest = {
+    return {
         "format": mf.FORMAT_NAME,
         "version": mf.FORMAT_VERSION,
         "iteration": int(iteration),
@@ -232,8 +293,17 @@ def _commit(save_dir, tmp, final, iteration, entries, all_checksums, model, opti
             "type": "adam", "step": _adam_step(tensors), "param_groups": _param_groups(optimizer)},
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "args": _jsonable(args or {}),
-        "tensors": entries,
+        "tensors": copy.deepcopy(entries),
     }
+
+
+def _commit(save_dir, tmp, final, iteration, manifest, all_checksums, keep_last) -> None:
+    """Rank 0: manifest into the temporary folder, rename it into place, then the tracker."""
+    from megatron_ucp.train.checkpointing import write_tracker
+
+    for c in all_checksums:
+        for name, info in c.items():
+            manifest["tensors"][name].update(info)
     storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
     storage.fsync_dir(os.path.join(tmp, "tensors"))
     storage.fsync_dir(os.path.join(tmp, "rng"))

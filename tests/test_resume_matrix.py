@@ -95,6 +95,10 @@ def w2(work, w4):
         # TP2 + sequence parallel -> TP1.
         train("a_tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], save=d("S"), interval=K),
         train("b_sp_tp1", DIST, load=d("S"), step=K),
+        # The same run saving asynchronously: identical files, and it resumes.
+        train("async_tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--async-save"],
+              save=d("S_async"), interval=K),
+        train("b_async_tp1", DIST, load=d("S_async"), step=K),
         roundtrip("r_sp_tp1", DIST, d("S"), K, d("R_sp")),
         # Layouts that must train (the loss falls).
         train("t_tp2", ["--tensor-model-parallel-size", "2"]),
@@ -185,6 +189,13 @@ def test_state_after_resharded_load_is_bitwise_equal(w4, work, source, result):
                                            ("S/iter_0000005", "R_sp/iter_0000005")])
 def test_state_after_resharded_load_is_bitwise_equal_two_processes(w2, work, source, result):
     assert_same_state(work / source, work / result)
+
+
+def test_async_save_writes_the_same_checkpoint(w2, work):
+    assert losses(w2, "async_tp2sp") == losses(w2, "a_tp2sp")  # training is not disturbed
+    for it in ("iter_0000005", "iter_0000010"):
+        assert_same_state(work / "S" / it, work / "S_async" / it)
+    assert max_loss_delta(losses(w2, "a_tp2sp"), losses(w2, "b_async_tp1")) <= TOL
 
 
 @pytest.mark.parametrize("name", ["r_tp1dp4", "r_tp4", "r_pp4_tp2pp2", "r_vpp_pp4", "r_g_tp4"])

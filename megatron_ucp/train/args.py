@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="dp_reshardable",
         help="torch_dist only: how the distributed optimizer state is sharded",
     )
+    g.add_argument("--async-save", action="store_true",
+                   help="universal: write checkpoint files in the background; training waits only "
+                        "for an in-memory copy")
     g.add_argument("--keep-last", type=int, default=None,
                    help="universal: keep only the newest N checkpoints (never the one the tracker names)")
     g.add_argument("--no-verify-checkpoint", action="store_true",
@@ -231,6 +234,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _need(not (args.mock_data and args.data_path), "give only one of --mock-data and --data-path")
     _need(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _need(args.save_interval is None or args.save is not None, "--save-interval needs --save")
+    _need(not args.async_save or args.ckpt_format == "universal",
+          "--async-save needs --ckpt-format universal")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)

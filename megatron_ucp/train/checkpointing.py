@@ -34,7 +34,15 @@ def write_tracker(root: str, iteration: int) -> None:
     atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
 
 
+def finish_pending_save(state) -> None:
+    """Wait for an asynchronous save still in flight (before the next one, and before exit)."""
+    if state.pending_save is not None:
+        pending, state.pending_save = state.pending_save, None
+        pending.wait()
+
+
 def save(args, state, iteration: int, consumed: int) -> None:
+    finish_pending_save(state)
     start = time.perf_counter()
     if args.ckpt_format == "torch_dist":
         from megatron_ucp.train import native
@@ -47,11 +55,15 @@ def save(args, state, iteration: int, consumed: int) -> None:
     else:
         from megatron_ucp.api import save_universal
 
-        save_universal(args.save, iteration, state.model, state.optimizer, state.scheduler,
-                       vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args),
-                       keep_last=args.keep_last)
+        result = save_universal(args.save, iteration, state.model, state.optimizer, state.scheduler,
+                                vocab_size=args.vocab_size, consumed_samples=consumed,
+                                args=vars(args), keep_last=args.keep_last,
+                                async_save=args.async_save)
+        if args.async_save:
+            state.pending_save = result
     if dist.get_rank() == 0:
-        print(f" saved checkpoint at iteration {iteration:8d} to {args.save} ({args.ckpt_format}) "
+        verb = "started background save" if args.async_save else "saved checkpoint"
+        print(f" {verb} at iteration {iteration:8d} to {args.save} ({args.ckpt_format}) "
               f"in {time.perf_counter() - start:.2f} s", flush=True)
 
 

@@ -191,4 +191,5 @@ def train(args, state) -> list:
             checkpointing.save(args, state, iteration, consumed)
     if args.save and (not args.save_interval or iteration % args.save_interval != 0) and history:
         checkpointing.save(args, state, iteration, consumed)
+    checkpointing.finish_pending_save(state)
     return history

@@ -99,6 +99,7 @@ class TrainState:
     optimizer: object
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
+    pending_save: object = None  # an AsyncSave still writing, if any
 
 
 def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:

@@ -6,11 +6,11 @@ checkpoint resumes only on layouts that megatron-core itself can reshard to.
 
 import os
 
-import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_ucp import rng
 from megatron_ucp.errors import IncompleteCheckpointError
 from megatron_ucp.train.model import unwrap
 
@@ -24,31 +24,6 @@ def _model_sharded_state_dict(model):
     return {_model_key(model, i): unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
-def _rng_state():
-    """This rank's RNG streams; only meaningful when resuming on the same layout."""
-    import random
-
-    import numpy as np
-
-    return {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(state) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _sharded_state_dict(args, state, iteration, consumed, is_loading):
     sd = _model_sharded_state_dict(state.model)
     model_sd = {}
@@ -60,7 +35,7 @@ def _sharded_state_dict(args, state, iteration, consumed, is_loading):
     sd["iteration"] = iteration
     sd["consumed_samples"] = consumed
     world, rank = dist.get_world_size(), dist.get_rank()
-    sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    sd["rng_state"] = ShardedObject("rng_state", rng.capture(), (world,), (rank,), replica_id=0)
     sd["checkpoint_version"] = 3.0
     return sd
 
@@ -89,5 +64,5 @@ def load(args, state, directory: str):
         state.optimizer.load_state_dict(loaded["optimizer"])
         state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if not args.no_load_rng:
-        _set_rng_state(loaded["rng_state"])
+        rng.restore(loaded["rng_state"])
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
