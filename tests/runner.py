@@ -124,7 +124,15 @@ def save_with_disk_full(step):
             os.pwrite, os.pwritev = saved
 
 
-OPS = {"train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
+def convert(step):
+    """The converter's worker, in this process group: native load, universal save."""
+    from megatron_ucp.convert import _worker
+
+    _worker(step["output"], step["argv"])
+    return {}
+
+
+OPS = {"convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full}
 
 

@@ -1,6 +1,6 @@
 """Stress: SIGKILL saves at random points (slow; run by hand: pytest -m slow tests/test_kill_stress.py).
 
-UCP_STRESS_KILLS sets the number of kills (default 100). Every kill must leave the tracker on
+UCP_STRESS_KILLS sets the number of kills (default 100), UCP_STRESS_FIRST the first seed. Every kill must leave the tracker on
 the previous checkpoint, or on a new one that is complete, and the checkpoint it names must
 verify; every tenth case also resumes training from it.
 """
@@ -18,6 +18,7 @@ ARGS = BASE + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer
 POINTS = ["create_tensor_file", "write_runs", "block_checksums", "fsync_file", "atomic_write_json",
           "fsync_dir", "atomic_write_bytes"]
 KILLS = int(os.environ.get("UCP_STRESS_KILLS", "100"))
+FIRST = int(os.environ.get("UCP_STRESS_FIRST", "0"))  # to split a long stress run
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def good(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(KILLS))
+@pytest.mark.parametrize("seed", range(FIRST, FIRST + KILLS))
 def test_random_kill_keeps_a_loadable_checkpoint(good, seed):
     rng = random.Random(seed)
     case = good / f"case{seed}"

@@ -5,11 +5,14 @@ Real megatron-core GPTs, several CPU processes over gloo. Each torchrun group ru
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from harness import BASE, assert_same_state, losses, max_loss_delta, ok, run_steps
+from harness import BASE, REPO, assert_same_state, losses, max_loss_delta, ok, run_steps
 
 N, K = 10, 5  # train to N, resume from K
 TOL = 1e-4
@@ -78,6 +81,16 @@ def w4(work):
         train("n_tp2pp2", TP2PP2 + DIST + ["--ckpt-format", "torch_dist"], save=d("N"), interval=K),
         train("n_resume", TP2PP2 + DIST + ["--ckpt-format", "torch_dist"], load=d("N"), step=K,
               universal=False),
+        # Both other torch_dist optimizer formats, and no distributed optimizer, converted in-group.
+        train("n_full", TP2PP2 + DIST + ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-format",
+                                         "fully_reshardable"], save=d("NF"), interval=K),
+        {"name": "c_full", "op": "convert", "output": d("CF"),
+         "argv": BASE + TP2PP2 + DIST + ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-format",
+                                         "fully_reshardable", "--load", d("NF"), "--ckpt-step", str(K)]},
+        train("n_nodist", TP2PP2 + ["--ckpt-format", "torch_dist"], save=d("NND"), interval=K),
+        {"name": "c_nodist", "op": "convert", "output": d("CND"),
+         "argv": BASE + TP2PP2 + ["--ckpt-format", "torch_dist", "--load", d("NND"), "--ckpt-step", str(K)]},
+        train("a_nodist", TP2PP2, save=d("AND"), interval=K),
         # First link of DP4 (distributed optimizer) -> DP2 -> DP2 (distributed optimizer).
         train("a_dp4", DIST, save=d("D"), interval=K),
     ]
@@ -85,10 +98,23 @@ def w4(work):
 
 
 @pytest.fixture(scope="module")
-def w2(work, w4):
+def converted(work, w4):
+    """tools/convert_to_universal.py on the default (dp_reshardable) torch_dist checkpoint."""
+    ok(w4, "n_tp2pp2")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_to_universal.py"), "--input",
+                           str(work / "N"), "--output", str(work / "CN"), "--iteration", str(K)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def w2(work, w4, converted):
     d = lambda name: str(work / name)  # noqa: E731
     ok(w4, "a_dp4")
     steps = [
+        train("b_converted_tp1dp2", DIST, load=d("CN"), step=K),
         train("b_dp2", [], load=d("D"), step=K, save=d("D2"), interval=7),
         train("b_dp2_dist", DIST, load=d("D2"), step=7),
         roundtrip("r_dp4_dp2", [], d("D"), K, d("R_dp2")),
@@ -189,6 +215,19 @@ def test_state_after_resharded_load_is_bitwise_equal(w4, work, source, result):
                                            ("S/iter_0000005", "R_sp/iter_0000005")])
 def test_state_after_resharded_load_is_bitwise_equal_two_processes(w2, work, source, result):
     assert_same_state(work / source, work / result)
+
+
+def test_converted_torch_dist_equals_a_direct_universal_save(w4, work, converted):
+    assert "converted" in converted and "GB/s" in converted  # the summary line
+    assert_same_state(work / "A" / "iter_0000005", work / "CN" / "iter_0000005")  # dp_reshardable
+    ok(w4, "c_full")
+    assert_same_state(work / "A" / "iter_0000005", work / "CF" / "iter_0000005")  # fully_reshardable
+    ok(w4, "c_nodist")
+    assert_same_state(work / "AND" / "iter_0000005", work / "CND" / "iter_0000005")  # no dist-opt
+
+
+def test_converted_checkpoint_resumes_on_another_layout(w4, w2):
+    assert max_loss_delta(losses(w4, "a_tp2pp2"), losses(w2, "b_converted_tp1dp2")) <= TOL
 
 
 def test_async_save_writes_the_same_checkpoint(w2, work):

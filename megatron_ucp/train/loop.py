@@ -150,9 +150,13 @@ def session(argv=None):
     validate(args, dist.get_world_size())
     checkpointing.keep_saved_vocab_padding(args)
     initialize(args)
+    state = None
     try:
-        yield args, build_train_state(args)
+        state = build_train_state(args)
+        yield args, state
     finally:
+        if state is not None:
+            checkpointing.finish_pending_save(state)
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
 

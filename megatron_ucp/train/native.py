@@ -37,6 +37,8 @@ def _sharded_state_dict(args, state, iteration, consumed, is_loading):
     world, rank = dist.get_world_size(), dist.get_rank()
     sd["rng_state"] = ShardedObject("rng_state", rng.capture(), (world,), (rank,), replica_id=0)
     sd["checkpoint_version"] = 3.0
+    # The arguments, as plain values (common.pt loads with weights_only): what a converter needs.
+    sd["args"] = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
     return sd
 
 
