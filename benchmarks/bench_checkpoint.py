@@ -82,6 +82,9 @@ def main() -> int:
         f = lambda x: f"{x:10.2f}" if x is not None else f"{'':10s}"  # noqa: E731
         g = f"{vs_td:18.2f}" if vs_td is not None else ""
         print(f"{name:50s} {seconds:9.2f} {f(vs_disk)} {g}")
+    print(f"async save: training stalls {r['async_save_stall_s']:.2f} s = "
+          f"{r['async_save_stall_s'] / r['memcpy_state_s']:.2f}x an in-memory copy of the state "
+          f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s")
     print(f"bytes read per rank on load: {r['universal_load_bytes_read_per_rank']}")
     print(f"peak RSS per rank (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
     if a.json:

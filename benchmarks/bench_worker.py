@@ -87,9 +87,22 @@ def main(spec_path: str, out_path: str) -> None:
                 write_tracker(folder, 1)
             results[f"{name}_save_s"] = t
         results["rss_after_saves_mib"] = rss_mib()
-        # Async stall baseline: an in-memory copy of this rank's state.
-        t, _ = timed(lambda: [p.detach().clone() for m in state.model for p in m.parameters()])
-        results["memcpy_model_s"] = t
+        # Async stall against an in-memory copy of this rank's whole state (weights + moments).
+        def copy_state():
+            out = [p.detach().clone() for m in state.model for p in m.parameters()]
+            for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+                for s in opt.optimizer.state.values():
+                    out += [v.clone() for v in s.values() if torch.is_tensor(v)]
+            return out
+        t, _ = timed(copy_state)
+        results["memcpy_state_s"] = t
+        t, pending = timed(lambda: save_universal(os.path.join(work, "async"), 1, state.model,
+                                                  state.optimizer, state.scheduler,
+                                                  vocab_size=args.vocab_size, async_save=True))
+        results["async_save_stall_s"] = t
+        t_wait, _ = timed(pending.wait)
+        results["async_save_total_s"] = t + t_wait
+        shutil.rmtree(os.path.join(work, "async"), ignore_errors=True)
         # Same-layout load of the default format (the only layout it can load into).
         args.dist_ckpt_optim_format = "dp_reshardable"
         t, _ = timed(lambda: native.load(args, state, iteration_dir(td_dp, 1)))
