@@ -38,8 +38,8 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
            str(REPO / "tests" / "runner.py"), str(spec), str(result)]
     proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
                           timeout=timeout)
-    results = json.loads(result.read_text()) if result.exists() else {}
-    for other in sorted(workdir.glob("result.json.rank*")):  # the first failing rank's story
+    results = json.loads(result.read_text()) if result.exists() else {}  # written atomically
+    for other in sorted(workdir.glob("result.json.rank*[0-9]")):  # the failing ranks' stories
         for name, r in json.loads(other.read_text()).items():
             if "error" in r and name in results:
                 results[name]["error"] += f"\n[{other.suffix}] {r['error']}\n{r['traceback']}"

@@ -155,8 +155,9 @@ def main(spec_path: str, result_path: str) -> int:
             # Rank 0 writes the results; any rank that failed writes its own traceback too.
             if rank == 0 or "error" in results.get(step["name"], {}):
                 path = result_path if rank == 0 else f"{result_path}.rank{rank}"
-                with open(path, "w") as f:
+                with open(f"{path}.tmp", "w") as f:  # atomic: torchrun may kill us mid-write
                     json.dump(results, f, indent=1)
+                os.replace(f"{path}.tmp", path)
     return 0
 
 
