@@ -82,7 +82,8 @@ def _prepare(root, model, optimizer, vocab_size, load_optim):
 
     mf.check_architecture(m["architecture"], mf.architecture(unwrap(model[0]), vocab_size), root)
     with_optim = optimizer is not None and load_optim
-    if with_optim and any("exp_avg" not in e["states"] for e in m["tensors"].values()):
+    if with_optim and any("exp_avg" not in e["states"] for e in m["tensors"].values()
+                          if not e.get("buffer")):
         raise IncompleteCheckpointError(
             f"{root}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
     tensors = local_tensors(model, optimizer if with_optim else None, vocab_size)
@@ -156,13 +157,13 @@ def _load_tensors(root, m, tensors, counter) -> None:
         with torch.no_grad():
             t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
             f = t.fragment
-            if f is None:
-                continue
-            if not f.main_is_model:
-                f.main.copy_(torch.from_numpy(weight[f.start:f.stop]))
-            for state in ("exp_avg", "exp_avg_sq"):
-                data = _read_range(root, entry, layout, t, state, f.start, f.stop, counter)
-                getattr(f, state).copy_(torch.from_numpy(data).view(getattr(f, state).shape))
+            if f is not None:
+                if not f.main_is_model:
+                    f.main.copy_(torch.from_numpy(weight[f.start:f.stop]))
+                for state in ("exp_avg", "exp_avg_sq"):
+                    data = _read_range(root, entry, layout, t, state, f.start, f.stop, counter)
+                    getattr(f, state).copy_(torch.from_numpy(data).view(getattr(f, state).shape))
+        t.apply_write_back()
 
 
 def _set_adam_step(tensors, step: int) -> None:

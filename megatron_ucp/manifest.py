@@ -6,7 +6,7 @@ names the file and the key at fault.
 
 import os
 import re
-from typing import Dict
+from typing import Dict, Optional
 
 from megatron_ucp.errors import FormatError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, padding_shape
@@ -41,6 +41,16 @@ def file_layout(entry: dict) -> TensorFileLayout:
     return TensorFileLayout.build(file_entries(entry["shape"], entry["states"], entry["padding_rows"]))
 
 
+def moe_layer_pattern(config) -> Optional[list]:
+    """1 for each MoE layer, 0 for each dense one (megatron's reading of `moe_layer_freq`)."""
+    if not config.num_moe_experts:
+        return None
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(config.num_layers)]
+    return [int(v) for v in freq]
+
+
 def architecture(gpt, vocab_size: int) -> dict:
     """The model facts a checkpoint must agree with to load (from megatron's TransformerConfig)."""
     c = gpt.config
@@ -56,6 +66,9 @@ def architecture(gpt, vocab_size: int) -> dict:
         "add_bias_linear": bool(c.add_bias_linear),
         "num_experts": c.num_moe_experts,
         "moe_ffn_hidden_size": c.moe_ffn_hidden_size if c.num_moe_experts else None,
+        "moe_layer_pattern": moe_layer_pattern(c),
+        "moe_shared_expert_intermediate_size":
+            c.moe_shared_expert_intermediate_size if c.num_moe_experts else None,
         "vocab_size": int(vocab_size),
         "position_embedding_type": gpt.position_embedding_type,
         "share_embeddings_and_output_weights": bool(gpt.share_embeddings_and_output_weights),

@@ -65,12 +65,12 @@ def _sources(t, states):
 def _offers(tensors, states, with_optimizer: bool):
     offers, sources = [], {}
     for t in tensors:
-        if not t.writes or (with_optimizer and t.fragment is None):
+        if not t.writes or (with_optimizer and t.fragment is None and not t.stateless):
             continue
         start, stop, data = _sources(t, states)
         held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows)
         for local_start, region in fragment_regions(held, start, stop):
-            item = WriteItem(t.name, region, region.numel * 4 * len(states))
+            item = WriteItem(t.name, region, region.numel * 4 * len(data))
             offers.append(item)
             sources[item.key] = (local_start - start, data)
     return offers, sources
@@ -88,8 +88,10 @@ def _tensor_entries(tensors, states) -> dict:
             "dtype": "F32",
             "rule": t.rule.to_json(),
             "padding_rows": padding,
-            "states": list(states),
+            "states": ["param"] if t.stateless else list(states),
         }
+        if t.stateless:
+            entries[t.name]["buffer"] = True
     return entries
 
 
@@ -150,7 +152,7 @@ def _snapshot(items, sources, states, copy: bool) -> dict:
     for item in items:
         offset, data = sources[item.key]
         out[item.key] = {}
-        for state in states:
+        for state in data:
             chunk = _to_numpy(data[state][offset:offset + item.region.numel])
             out[item.key][state] = chunk.copy() if copy else chunk
     return out
