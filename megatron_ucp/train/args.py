@@ -5,6 +5,7 @@ stops at start-up with a one-line message naming the arguments at fault.
 """
 
 import argparse
+import re
 
 from megatron_ucp.errors import ConfigError
 
@@ -49,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather"
     )
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
+                   help="MoE every N-th layer (int), or a per-layer pattern such as '([0]+[1])*2'")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing (needs --moe-router-score-function sigmoid)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="grouped-GEMM experts (needs the grouped_gemm kernels or transformer-engine)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -110,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     a("--cpu", action="store_true", help="train on CPU processes over gloo (no GPU needed)")
     return p
+
+
+_FREQ_PATTERN = re.compile(r"^[\[\]()0-9+*, ]+$")
+
+
+def moe_layer_freq(text: str):
+    """`--moe-layer-freq`: an int N (MoE every N-th layer) or a 0/1 list expression per layer."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    if not _FREQ_PATTERN.match(text):
+        raise argparse.ArgumentTypeError(f"expected an integer or a list expression like '([0]+[1])*2', got {text!r}")
+    try:
+        value = eval(text, {"__builtins__": {}}, {})  # only digits, brackets, + and * reach here
+    except Exception as e:
+        raise argparse.ArgumentTypeError(f"cannot evaluate {text!r}: {e}") from None
+    if not isinstance(value, list) or any(v not in (0, 1) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} must give a list of 0/1 per layer, got {value!r}")
+    return value
 
 
 def _need(cond: bool, message: str) -> None:
@@ -222,6 +251,16 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         )
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
+        freq = args.moe_layer_freq
+        if isinstance(freq, int):
+            _need(freq >= 1, f"--moe-layer-freq must be >= 1, got {freq}")
+        else:
+            _need(len(freq) == args.num_layers,
+                  f"--moe-layer-freq lists {len(freq)} layers, the model has --num-layers {args.num_layers}")
+        _need(not args.moe_router_enable_expert_bias or args.moe_router_score_function == "sigmoid",
+              "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        _need(not args.moe_grouped_gemm or args.disable_bias_linear,
+              "--moe-grouped-gemm needs --disable-bias-linear (megatron-core has no grouped expert biases)")
     else:
         _need(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
     if args.max_position_embeddings is None:

@@ -5,7 +5,7 @@ local (non-TE) layer spec when transformer-engine is absent.
 """
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +13,15 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+
+from megatron_ucp.errors import ConfigError
 
 
 def _have_te() -> bool:
@@ -38,8 +43,13 @@ def transformer_config(args) -> TransformerConfig:
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=args.moe_grouped_gemm,
             moe_router_dtype="fp32",
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_layer_freq=args.moe_layer_freq,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         )
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -81,14 +91,28 @@ def transformer_config(args) -> TransformerConfig:
     )
 
 
-def layer_spec(args):
-    if _have_te() and not args.cpu:
+def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
+    """The layer spec of one model chunk. MoE models take megatron's per-layer block spec, which
+    places MoE and dense layers by `moe_layer_freq` and picks sequential or grouped experts."""
+    te = _have_te() and not args.cpu
+    if args.num_experts is not None:
+        if args.moe_grouped_gemm and not te:
+            from megatron.core.transformer.moe import grouped_gemm_util
+
+            if not grouped_gemm_util.grouped_gemm_is_available():
+                raise ConfigError(
+                    "--moe-grouped-gemm needs GPU kernels (transformer-engine, or the grouped_gemm "
+                    "package for megatron's legacy GroupedMLP); without them train sequential experts: "
+                    "universal checkpoints move between the two expert layouts")
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=te,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
-    return get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=args.normalization)
 
 
 @dataclass
@@ -105,10 +129,10 @@ class TrainState:
 def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage held by this rank, wrapped in megatron's DDP."""
     vpp = args.virtual_pipeline_model_parallel_size
-    spec = layer_spec(args)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
+        spec = layer_spec(args, config, stage)
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         gpt = GPTModel(
