@@ -132,8 +132,70 @@ def convert(step):
     return {}
 
 
+def _megatron_expert_tensors(state) -> dict:
+    """megatron's own sharded view of the expert weights, assembled: {key: (values, covered)}.
+
+    Sequential experts give one shard per expert, grouped ones one shard per rank holding all
+    of its local experts: assembling into the global shape makes the two comparable.
+    """
+    import numpy as np
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_ucp.train.model import unwrap
+
+    out = {}
+    for chunk in state.model:
+        sd = unwrap(chunk).sharded_state_dict()
+        apply_factories(sd)
+        for sh in nested_values(sd):
+            if not (isinstance(sh, ShardedTensor) and ".mlp.experts." in sh.key):
+                continue
+            values, covered = out.setdefault(
+                sh.key, (np.zeros(sh.global_shape, np.float32), np.zeros(sh.global_shape, bool)))
+            extent = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+            box = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, extent))
+            values[box] = sh.data.detach().float().numpy().reshape(extent)
+            covered[box] = True
+    return out
+
+
+def grouped(step):
+    """Load a sequential-expert checkpoint into megatron's legacy grouped-GEMM experts (built
+    without the kernel, never run forward), check the weights against megatron's own grouped
+    mapping, and save again from the grouped layout."""
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    def loaded(argv):
+        with loop.session(argv) as (args, state):
+            load_universal(args.load, state.model, state.optimizer, state.scheduler,
+                           vocab_size=args.vocab_size, iteration=args.ckpt_step)
+            if "save_to" in step and "--moe-grouped-gemm" in argv:
+                save_universal(step["save_to"], args.ckpt_step, state.model, state.optimizer,
+                               state.scheduler, vocab_size=args.vocab_size)
+            kinds = {type(m).__name__ for c in state.model for m in c.modules()}
+            return _megatron_expert_tensors(state), kinds
+
+    sequential, seq_kinds = loaded(step["argv"])
+    kernel = grouped_gemm_util.grouped_gemm
+    grouped_gemm_util.grouped_gemm = kernel or object()  # construction only checks it is there
+    try:
+        fused, fused_kinds = loaded(step["argv"] + ["--moe-grouped-gemm"])
+    finally:
+        grouped_gemm_util.grouped_gemm = kernel
+    mismatched = sorted(k for k in sequential.keys() | fused.keys()
+                        if k not in sequential or k not in fused
+                        or not (sequential[k][1] == fused[k][1]).all()
+                        or not (sequential[k][0] == fused[k][0]).all())
+    covered = sum(int(c.sum()) for _, c in fused.values())
+    return {"expert_elements": covered, "mismatched": mismatched[:10],
+            "layouts": [sorted(seq_kinds & {"SequentialMLP", "GroupedMLP"}),
+                        sorted(fused_kinds & {"SequentialMLP", "GroupedMLP"})]}
+
+
 OPS = {"convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
-       "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full}
+       "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
+       "grouped": grouped}
 
 
 def main(spec_path: str, result_path: str) -> int:
