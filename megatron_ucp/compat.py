@@ -98,18 +98,23 @@ def _torch_adam_state_copy():
     distrib.DistributedOptimizer.load_state_dict = load_state_dict
 
 
-def init_torch_adam_state(optimizer) -> None:
-    """Create Adam's initial state (step 0, zero moments) for params that have none yet."""
+def init_torch_adam_state(optimizer, alloc=None) -> None:
+    """Create Adam's initial state (step 0, zero moments) for params that have none yet.
+
+    `alloc` makes the moments (default torch.zeros_like; a loader that fills them all passes
+    torch.empty_like and saves a pass over the memory).
+    """
     import torch
 
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return
+    alloc = alloc or torch.zeros_like
     for group in optimizer.param_groups:
         for p in group["params"]:
             if len(optimizer.state[p]) == 0:
                 optimizer.state[p]["step"] = torch.tensor(0.0)
-                optimizer.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+                optimizer.state[p]["exp_avg"] = alloc(p.data)
+                optimizer.state[p]["exp_avg_sq"] = alloc(p.data)
 
 
 def apply() -> None:

@@ -31,14 +31,27 @@ class LoadResult:
     manifest: dict
 
 
-def _read_range(root, entry, layout, t, state, start, stop, counter) -> np.ndarray:
-    """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing."""
-    out = np.zeros(stop - start, dtype=np.float32)
+def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
+    """A flat fp32 numpy view sharing `tensor`'s memory, so reads land in place (CPU only)."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        return None
+    return tensor.detach().view(-1).numpy()
+
+
+def _read_range(root, entry, layout, t, state, start, stop, counter, out=None) -> np.ndarray:
+    """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
+
+    Reads into `out` (stop - start fp32 elements) when given, else into a new array.
+    """
     held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
                   entry["padding_rows"] if t.rule.kind == "vocab" else None)
+    regions = fragment_regions(held, start, stop)
+    if out is None or sum(r.numel for _, r in regions) != stop - start:
+        out = np.zeros(stop - start, dtype=np.float32) if out is None else out
+        out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
     path = storage.safe_join(root, entry["file"])
     part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
-    for local_start, region in fragment_regions(held, start, stop):
+    for local_start, region in regions:
         runs = region_runs(part_shapes[region.part], region)
         # read_runs wants (file element, out element, length)
         file_runs = np.stack([runs[:, 1], runs[:, 0] + (local_start - start), runs[:, 2]], axis=1)
@@ -86,7 +99,7 @@ def _prepare(root, model, optimizer, vocab_size, load_optim):
                           if not e.get("buffer")):
         raise IncompleteCheckpointError(
             f"{root}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
-    tensors = local_tensors(model, optimizer if with_optim else None, vocab_size)
+    tensors = local_tensors(model, optimizer if with_optim else None, vocab_size, for_load=True)
     _check_tensors(m, tensors, root, strict=False)
     return m, tensors, with_optim
 
@@ -112,7 +125,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                    counter: Optional[storage.ReadCounter] = None) -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
-    Collective; a failure on any rank raises on every rank. `verify` checks every block
+    Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
+    partially loaded (values are read in place): resume from another checkpoint or restart. `verify` checks every block
     checksum first (the work spread over ranks). `strict` refuses checkpoint tensors that have
     no place in the model. `reseed(iteration)` is called when the layout changed (or RNG is not
     loaded), to reseed deterministically.
@@ -153,16 +167,21 @@ def _load_tensors(root, m, tensors, counter) -> None:
         if t.name not in layouts:
             layouts[t.name] = mf.file_layout(entry)
         layout = layouts[t.name]
-        weight = _read_range(root, entry, layout, t, "param", 0, t.param.numel(), counter)
+        in_place = _host_view(t.param.data)
+        weight = _read_range(root, entry, layout, t, "param", 0, t.param.numel(), counter, in_place)
         with torch.no_grad():
-            t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
+            if in_place is None:
+                t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
             f = t.fragment
             if f is not None:
                 if not f.main_is_model:
                     f.main.copy_(torch.from_numpy(weight[f.start:f.stop]))
                 for state in ("exp_avg", "exp_avg_sq"):
-                    data = _read_range(root, entry, layout, t, state, f.start, f.stop, counter)
-                    getattr(f, state).copy_(torch.from_numpy(data).view(getattr(f, state).shape))
+                    target = getattr(f, state)
+                    in_place = _host_view(target)
+                    data = _read_range(root, entry, layout, t, state, f.start, f.stop, counter, in_place)
+                    if in_place is None:
+                        target.copy_(torch.from_numpy(data).view(target.shape))
         t.apply_write_back()
 
 

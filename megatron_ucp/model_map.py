@@ -69,21 +69,24 @@ def _inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def ensure_adam_state(inner) -> None:
-    """Give every param of a torch Adam its initial state (step 0, zero moments) if absent."""
+def ensure_adam_state(inner, overwritten: bool = False) -> None:
+    """Give every param of a torch Adam its initial state (step 0, zero moments) if absent.
+
+    `overwritten`: a load is about to fill every moment, so they are allocated, not zeroed.
+    """
     from megatron_ucp.compat import init_torch_adam_state
 
-    init_torch_adam_state(inner)
+    init_torch_adam_state(inner, torch.empty_like if overwritten else torch.zeros_like)
 
 
-def optimizer_fragments(optimizer) -> Dict[torch.nn.Parameter, Fragment]:
+def optimizer_fragments(optimizer, for_load: bool = False) -> Dict[torch.nn.Parameter, Fragment]:
     """Map each model parameter to the fragment of it whose optimizer state this rank holds."""
     out = {}
     for opt in _inner_optimizers(optimizer):
         inner = opt.optimizer
         if inner is None:
             continue
-        ensure_adam_state(inner)
+        ensure_adam_state(inner, overwritten=for_load)
         name = type(opt).__name__
         if name == "DistributedOptimizer":
             for gbuf_range_maps in opt.gbuf_ranges:
@@ -262,12 +265,12 @@ def _legacy_grouped(name, param, fragment, gated: bool, num_local: int) -> List[
     return out
 
 
-def local_tensors(model_chunks, optimizer, vocab_size: int) -> List[LocalTensor]:
+def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = False) -> List[LocalTensor]:
     """Every parameter (and persistent buffer) this rank holds, named and mapped; `vocab_size`
-    is the true vocabulary."""
+    is the true vocabulary. `for_load`: the optimizer state is about to be overwritten."""
     from megatron_ucp.train.model import unwrap
 
-    fragments = optimizer_fragments(optimizer) if optimizer is not None else {}
+    fragments = optimizer_fragments(optimizer, for_load) if optimizer is not None else {}
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
