@@ -84,7 +84,8 @@ def main() -> int:
         print(f"{name:50s} {seconds:9.2f} {f(vs_disk)} {g}")
     print(f"async save: training stalls {r['async_save_stall_s']:.2f} s = "
           f"{r['async_save_stall_s'] / r['memcpy_state_s']:.2f}x an in-memory copy of the state "
-          f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s")
+          f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s; "
+          f"the job's first async save stalls {r['async_save_first_stall_s']:.2f} s (plan, staging buffers)")
     print(f"bytes read per rank on load: {r['universal_load_bytes_read_per_rank']}")
     print(f"peak RSS per rank (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
     if a.json:

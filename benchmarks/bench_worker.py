@@ -96,12 +96,15 @@ def main(spec_path: str, out_path: str) -> None:
             return out
         t, _ = timed(copy_state)
         results["memcpy_state_s"] = t
-        t, pending = timed(lambda: save_universal(os.path.join(work, "async"), 1, state.model,
-                                                  state.optimizer, state.scheduler,
-                                                  vocab_size=args.vocab_size, async_save=True))
-        results["async_save_stall_s"] = t
-        t_wait, _ = timed(pending.wait)
-        results["async_save_total_s"] = t + t_wait
+        # A job saves many times: the first save builds the plan and staging buffers, later
+        # ones reuse them. Both stalls are reported; the steady state is the second.
+        for i, key in ((1, "async_save_first_stall_s"), (2, "async_save_stall_s")):
+            t, pending = timed(lambda: save_universal(os.path.join(work, "async"), i, state.model,
+                                                      state.optimizer, state.scheduler,
+                                                      vocab_size=args.vocab_size, async_save=True))
+            results[key] = t
+            t_wait, _ = timed(pending.wait)
+            results["async_save_total_s"] = t + t_wait
         shutil.rmtree(os.path.join(work, "async"), ignore_errors=True)
         # Same-layout load of the default format (the only layout it can load into).
         args.dist_ckpt_optim_format = "dp_reshardable"
