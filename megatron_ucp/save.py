@@ -17,6 +17,7 @@ import pickle
 import shutil
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -200,27 +201,45 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
     return out
 
 
+IO_THREADS = 4  # files in flight per rank: positional writes, fsync and crc32 release the GIL
+
+
+def _in_parallel(fn, jobs) -> list:
+    """fn over jobs on up to IO_THREADS threads; the first error is raised."""
+    if len(jobs) <= 1 or IO_THREADS <= 1:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(min(IO_THREADS, len(jobs)), thread_name_prefix="ucp-io") as pool:
+        return list(pool.map(fn, jobs))
+
+
 def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> None:
+    by_file = {}
     for item in items:
-        path = os.path.join(tmp, entries[item.name]["file"])
-        runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
-        for state, chunk in snapshot[item.key].items():
-            storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
-                               runs, chunk)
+        by_file.setdefault(item.name, []).append(item)
+
+    def write_file(file_items):
+        for item in file_items:
+            path = os.path.join(tmp, entries[item.name]["file"])
+            runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
+            for state, chunk in snapshot[item.key].items():
+                storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
+                                   runs, chunk)
+
+    _in_parallel(write_file, list(by_file.values()))
     rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
 
 
 def _checksum(tmp, entries, layouts, mine) -> dict:
-    out = {}
-    for name in mine:
+    def one(name):
         path = os.path.join(tmp, entries[name]["file"])
         storage.fsync_file(path)
-        out[name] = {
+        return name, {
             "file_size": layouts[name].file_size,
             "block_bytes": storage.BLOCK_BYTES,
             "checksums": storage.block_checksums(path, len(layouts[name].header), layouts[name].file_size),
         }
-    return out
+
+    return dict(_in_parallel(one, list(mine)))
 
 
 _CHECKPOINT_GROUP = None
