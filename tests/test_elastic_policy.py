@@ -157,3 +157,29 @@ def test_no_layout_fits_names_the_world_size():
     with pytest.raises(ConfigError, match="world size 6") as e:
         choose(args, 6)
     assert "global batch" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_latest_checkpoint_found_or_none(tmp_path):
+    """What --elastic resumes: nothing yet (start fresh), a universal checkpoint, or a clear error."""
+    from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+    from megatron_ucp.storage import atomic_write_json
+    from megatron_ucp.train.checkpointing import latest_checkpoint, write_tracker
+
+    args = parsed(["--mock-data", "--load", str(tmp_path / "ckpt")])
+    assert latest_checkpoint(args) is None  # no folder yet
+    (tmp_path / "ckpt").mkdir()
+    assert latest_checkpoint(args) is None  # no tracker yet
+    write_tracker(str(tmp_path / "ckpt"), 8)
+    with pytest.raises(IncompleteCheckpointError, match="iter_0000008"):
+        latest_checkpoint(args)
+    (tmp_path / "ckpt" / "iter_0000008").mkdir()
+    with pytest.raises(FormatError, match="convert_to_universal"):
+        latest_checkpoint(args)
+    layout = {"world_size": 4, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+              "data_parallel_size": 2}
+    atomic_write_json(str(tmp_path / "ckpt" / "iter_0000008" / "ucp.json"),
+                      {"format": "megatron-ucp", "version": 1, "iteration": 8, "consumed_samples": 64,
+                       "tensors": {}, "architecture": {}, "layout": layout})
+    iteration, directory, saved = latest_checkpoint(args)
+    assert (iteration, saved) == (8, layout) and directory.endswith("iter_0000008")
+    assert elastic.saved_description(saved) == "TP2 PP1 DP2 on 4 ranks"
