@@ -143,7 +143,7 @@ def test_node_loss_resumes_on_fewer_ranks(tmp_path):
     last_before = before[-1][0]
     resumed_from = after[0][0] - 1
     assert last_before < N, "the kill came after the end of training"
-    assert resumed_from == saved_at_kill or resumed_from >= SAVE_INTERVAL
+    assert resumed_from >= saved_at_kill >= SAVE_INTERVAL  # nothing committed before the kill is lost
     assert 0 <= last_before - resumed_from <= SAVE_INTERVAL  # iterations redone
     assert after[-1][0] == N and tracker(ckpt) == N
     # The survivor restarted its workers on 2 ranks and the policy kept TP2: TP2 x DP1.
