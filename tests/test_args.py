@@ -26,6 +26,8 @@ def parse(argv, world):
      ["--expert-model-parallel-size"]),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      ["--num-layers-per-virtual-pipeline-stage"]),
+    (["--elastic", "--ckpt-format", "torch_dist"], 1, ["--elastic", "--ckpt-format universal"]),
+    (["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
 ])
 def test_bad_combinations_name_the_arguments(argv, world, names):
     with pytest.raises(ConfigError) as e:

@@ -118,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")
 
+    g = p.add_argument_group("elastic training")
+    g.add_argument("--elastic", action="store_true",
+                   help="fit the layout to the world size (keep TP/PP where they fit, DP absorbs the "
+                        "change, else shrink PP then TP; global batch kept) and resume the latest "
+                        "checkpoint in --load universally, or start fresh when there is none "
+                        "(docs/elastic.md)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="timeout of collectives: a rank whose peer is gone fails after this long")
+
     a("--cpu", action="store_true", help="train on CPU processes over gloo (no GPU needed)")
     return p
 
@@ -275,6 +284,10 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _need(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _need(not args.async_save or args.ckpt_format == "universal",
           "--async-save needs --ckpt-format universal")
+    _need(not args.elastic or args.ckpt_format == "universal",
+          "--elastic needs --ckpt-format universal (torch_dist checkpoints load only on their own layout)")
+    _need(args.distributed_timeout_minutes > 0,
+          f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)

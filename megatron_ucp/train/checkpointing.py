@@ -73,6 +73,21 @@ def _load_target(args):
     return iteration, iteration_dir(args.load, iteration)
 
 
+def latest_checkpoint(args):
+    """(iteration, folder, saved layout) that --elastic resumes; None when --load holds none yet."""
+    if not args.load or (args.ckpt_step is None and not os.path.exists(os.path.join(args.load, TRACKER))):
+        return None
+    iteration, directory = _load_target(args)
+    if not os.path.isdir(directory):
+        raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
+    if not _is_universal(directory):
+        raise FormatError(f"{directory}: --elastic resumes universal checkpoints only (no ucp.json); "
+                          "convert it with tools/convert_to_universal.py")
+    from megatron_ucp.manifest import read_manifest
+
+    return iteration, directory, read_manifest(directory)["layout"]
+
+
 def keep_saved_vocab_padding(args) -> None:
     """Reuse the checkpoint's padded vocabulary when the new TP size divides it.
 

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import time
+from datetime import timedelta
 from functools import partial
 
 import numpy as np
@@ -28,8 +29,12 @@ from megatron_ucp.train.data import build_dataset, microbatches
 from megatron_ucp.train.model import build_train_state
 
 
-def init_distributed(cpu: bool) -> None:
-    """Join the torchrun process group (or a single-process one when run bare)."""
+def init_distributed(cpu: bool, timeout_minutes: float = 10.0) -> None:
+    """Join the torchrun process group (or a single-process one when run bare).
+
+    `timeout_minutes` bounds every collective: when a peer dies mid-collective, the survivors
+    fail after at most this long (then torchrun restarts them, see docs/elastic.md).
+    """
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -38,7 +43,8 @@ def init_distributed(cpu: bool) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend="gloo" if cpu else "nccl")
+    dist.init_process_group(backend="gloo" if cpu else "nccl",
+                            timeout=timedelta(minutes=timeout_minutes))
 
 
 def set_seeds(seed: int) -> None:
@@ -59,6 +65,7 @@ def initialize(args) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(
@@ -146,7 +153,9 @@ def session(argv=None):
 
         cpu_mode.enable()
     compat.apply()
-    init_distributed(args.cpu)
+    init_distributed(args.cpu, args.distributed_timeout_minutes)
+    if args.elastic:
+        elastic_layout(args, dist.get_world_size())
     validate(args, dist.get_world_size())
     checkpointing.keep_saved_vocab_padding(args)
     initialize(args)
@@ -159,6 +168,43 @@ def session(argv=None):
             checkpointing.finish_pending_save(state)
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
+
+
+def elastic_layout(args, world_size: int) -> None:
+    """--elastic: fit the layout to this world size and resume the latest checkpoint universally.
+
+    Rank 0 reads the tracker and the manifest and tells the others, so that every rank resumes
+    the same checkpoint; the layout is the pure policy of megatron_ucp.elastic.
+    """
+    from megatron_ucp import elastic
+    from megatron_ucp.collective import run_everywhere
+
+    rank = dist.get_rank()
+    found = [run_everywhere(lambda: checkpointing.latest_checkpoint(args) if rank == 0 else None)]
+    dist.broadcast_object_list(found, src=0)
+    found = found[0]
+    choice = elastic.choose_layout(world_size, elastic.dims_from_args(args),
+                                   elastic.layout_from_args(args),
+                                   elastic.Batch(args.micro_batch_size, args.global_batch_size))
+    elastic.apply_to_args(args, choice)
+    resuming = None
+    if found is not None:
+        iteration, _, saved = found
+        args.load_universal = True
+        args.ckpt_step = iteration  # every rank loads this one, even if the tracker moves on
+        resuming = f"iteration {iteration} saved on {elastic.saved_description(saved)}"
+    elif args.load:
+        resuming, args.load = f"nothing: no checkpoint in {args.load} yet", None
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if rank == 0:
+        line = elastic.summary(choice, resuming)
+        print(f" {line}" + (f" (torchrun restart {restarts})" if restarts else ""), flush=True)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # pytorch/pytorch#135712: restarted workers read the last round's keys in torchrun's
+            # shared store and dial dead peers (gloo: "connectFullMesh failed").
+            print(" elastic: warning: torchrun shares its rendezvous store with the workers; restarts "
+                  "after a node loss need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+                  "environment (docs/elastic.md)", flush=True)
 
 
 def pretrain(argv=None) -> list:

@@ -1,0 +1,185 @@
+"""The elastic layout policy (megatron_ucp/elastic.py), held to args.validate over many worlds and models."""
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ucp import elastic
+from megatron_ucp.errors import ConfigError
+from megatron_ucp.train.args import build_parser, validate
+
+
+@st.composite
+def runs(draw):
+    """(argv, world size) of a random model and requested layout, most of them valid somewhere."""
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
+    groups = draw(st.sampled_from([g for g in (1, 2, 4, 8, 16) if heads % g == 0]))
+    layers = draw(st.integers(1, 24))
+    micro = draw(st.sampled_from([1, 2, 4]))
+    global_batch = micro * draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]))
+    tp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    pp = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    argv = ["--mock-data", "--num-layers", str(layers), "--num-attention-heads", str(heads),
+            "--hidden-size", str(8 * heads), "--seq-length", str(draw(st.sampled_from([8, 12, 16]))),
+            "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if groups != heads:
+        argv += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if draw(st.booleans()):
+        argv += ["--sequence-parallel"]
+    if pp > 1 and draw(st.booleans()):
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(draw(st.integers(1, 4)))]
+    if draw(st.integers(0, 3)) == 0:
+        experts = draw(st.sampled_from([2, 4, 6, 8]))
+        argv += ["--num-experts", str(experts), "--moe-router-topk", "1",
+                 "--expert-model-parallel-size", str(draw(st.sampled_from([1, 2, 4, 8])))]
+        if draw(st.booleans()):
+            argv += ["--disable-bias-linear"]
+        if draw(st.booleans()):
+            argv += ["--expert-tensor-parallel-size", str(draw(st.sampled_from([1, 2])))]
+    return argv, draw(st.integers(1, 96))
+
+
+def parsed(argv):
+    return build_parser().parse_args(argv)
+
+
+def passes_validate(args, world) -> bool:
+    try:
+        validate(copy.deepcopy(args), world)
+        return True
+    except ConfigError:
+        return False
+
+
+def choose(args, world):
+    return elastic.choose_layout(world, elastic.dims_from_args(args), elastic.layout_from_args(args),
+                                 elastic.Batch(args.micro_batch_size, args.global_batch_size))
+
+
+def with_layout(args, layout):
+    out = copy.deepcopy(args)
+    elastic.apply_to_args(out, elastic.Choice(0, layout, 0, 0, layout))
+    return out
+
+
+@settings(max_examples=250, deadline=None)
+@given(runs())
+def test_policy_matches_validate(run):
+    argv, world = run
+    args = parsed(argv)
+    requested = elastic.layout_from_args(args)
+    try:
+        choice = choose(args, world)
+    except ConfigError as e:
+        # Complete: no candidate the policy may take (TP, PP, EP, expert TP <= requested) validates.
+        assert "\n" not in str(e)
+        for lay in elastic._candidates(requested):
+            assert not passes_validate(with_layout(args, lay), world), (lay, str(e))
+        return
+    lay = choice.layout
+    # The chosen layout validates, uses every rank and keeps the global batch.
+    chosen = with_layout(args, lay)
+    assert passes_validate(chosen, world), lay
+    done = validate(chosen, world)
+    assert lay.tp * lay.pp * choice.dp == world
+    assert done.data_parallel_size == choice.dp
+    assert done.micro_batch_size * done.num_microbatches * choice.dp == args.global_batch_size
+    assert done.num_microbatches == choice.num_microbatches
+    # Nothing grows; divisibility holds.
+    assert lay.tp <= requested.tp and lay.pp <= requested.pp and lay.ep <= requested.ep
+    assert args.num_attention_heads % lay.tp == 0 and args.num_layers % lay.pp == 0
+    # The requested layout is kept whenever it validates on this world size.
+    if passes_validate(args, world):
+        assert choice.kept and lay == requested
+    # TP and PP are kept whenever some candidate with them fits.
+    keeps = [c for c in elastic._candidates(requested) if (c.tp, c.pp) == (requested.tp, requested.pp)]
+    if any(passes_validate(with_layout(args, c), world) for c in keeps):
+        assert (lay.tp, lay.pp) == (requested.tp, requested.pp)
+    # Otherwise PP shrinks before TP: no candidate with a larger TP validates.
+    for c in elastic._candidates(requested):
+        if c.tp > lay.tp or (c.tp == lay.tp and c.pp > lay.pp):
+            assert not passes_validate(with_layout(args, c), world), (c, lay)
+    # Deterministic.
+    assert choose(parsed(argv), world) == choice
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 64))
+def test_dp_absorbs_the_world_size(nodes_requested, world):
+    """A dense model with TP2 PP2: any multiple of 4 keeps both; DP = world / 4."""
+    args = parsed(["--mock-data", "--num-layers", "8", "--num-attention-heads", "8", "--hidden-size", "64",
+                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--micro-batch-size", "1", "--global-batch-size", str(64 * nodes_requested)])
+    if world % 4 == 0 and (64 * nodes_requested) % (world // 4) == 0:
+        choice = choose(args, world)
+        assert (choice.layout.tp, choice.layout.pp, choice.dp) == (2, 2, world // 4)
+
+
+def test_shrinks_pp_before_tp():
+    args = parsed(["--mock-data", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "32",
+                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--micro-batch-size", "2", "--global-batch-size", "8"])
+    assert choose(args, 8).layout.describe(choose(args, 8).dp) == "TP2 PP2 DP2"
+    assert choose(args, 4).num_microbatches == 4
+    two = choose(args, 2)
+    assert (two.layout.tp, two.layout.pp, two.dp, two.num_microbatches) == (2, 1, 1, 4)
+    one = choose(args, 1)
+    assert (one.layout.tp, one.layout.pp, one.dp, one.num_microbatches) == (1, 1, 1, 4)
+    assert not one.kept
+    assert "micro-batches" in elastic.summary(one) and "\n" not in elastic.summary(one)
+
+
+def test_virtual_pipeline_dropped_when_pp_shrinks():
+    args = parsed(["--mock-data", "--num-layers", "8", "--num-attention-heads", "4", "--hidden-size", "32",
+                   "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+                   "--micro-batch-size", "1", "--global-batch-size", "8"])
+    assert choose(args, 4).layout.vpp_layers == 1
+    two = choose(args, 2)  # PP 2 x DP 1 -> 8 micro-batches, 4 layers a stage: VPP still fits
+    assert (two.layout.pp, two.layout.vpp_layers) == (2, 1)
+    assert choose(args, 1).layout.vpp_layers is None
+
+
+def test_experts_shrink_ep():
+    args = parsed(["--mock-data", "--num-layers", "2", "--num-attention-heads", "4", "--hidden-size", "32",
+                   "--num-experts", "4", "--expert-model-parallel-size", "4", "--micro-batch-size", "1",
+                   "--global-batch-size", "8"])
+    assert choose(args, 4).layout.ep == 4
+    assert choose(args, 2).layout.ep == 2
+    assert choose(args, 1).layout.ep == 1
+
+
+def test_no_layout_fits_names_the_world_size():
+    args = parsed(["--mock-data", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "32",
+                   "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "8"])
+    with pytest.raises(ConfigError, match="world size 6") as e:
+        choose(args, 6)
+    assert "global batch" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_latest_checkpoint_found_or_none(tmp_path):
+    """What --elastic resumes: nothing yet (start fresh), a universal checkpoint, or a clear error."""
+    from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+    from megatron_ucp.storage import atomic_write_json
+    from megatron_ucp.train.checkpointing import latest_checkpoint, write_tracker
+
+    args = parsed(["--mock-data", "--load", str(tmp_path / "ckpt")])
+    assert latest_checkpoint(args) is None  # no folder yet
+    (tmp_path / "ckpt").mkdir()
+    assert latest_checkpoint(args) is None  # no tracker yet
+    write_tracker(str(tmp_path / "ckpt"), 8)
+    with pytest.raises(IncompleteCheckpointError, match="iter_0000008"):
+        latest_checkpoint(args)
+    (tmp_path / "ckpt" / "iter_0000008").mkdir()
+    with pytest.raises(FormatError, match="convert_to_universal"):
+        latest_checkpoint(args)
+    layout = {"world_size": 4, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+              "data_parallel_size": 2}
+    atomic_write_json(str(tmp_path / "ckpt" / "iter_0000008" / "ucp.json"),
+                      {"format": "megatron-ucp", "version": 1, "iteration": 8, "consumed_samples": 64,
+                       "tensors": {}, "architecture": {}, "layout": layout})
+    iteration, directory, saved = latest_checkpoint(args)
+    assert (iteration, saved) == (8, layout) and directory.endswith("iter_0000008")
+    assert elastic.saved_description(saved) == "TP2 PP1 DP2 on 4 ranks"
