@@ -86,7 +86,11 @@ def main() -> int:
           f"{r['async_save_stall_s'] / r['memcpy_state_s']:.2f}x an in-memory copy of the state "
           f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s; "
           f"the job's first async save stalls {r['async_save_first_stall_s']:.2f} s (plan, staging buffers)")
-    print(f"bytes read per rank on load: {r['universal_load_bytes_read_per_rank']}")
+    read = r["universal_load_bytes_read_per_rank"]
+    print(f"bytes read per rank on load: {read} ({sum(read) / 1e9:.2f} GB in all: every DP replica "
+          f"reads its whole TP-local weights); read bandwidth of the load on those bytes: "
+          f"{sum(read) / 1e9 / r['universal_resharded_load_s']:.2f} GB/s = "
+          f"{sum(read) / 1e9 / r['universal_resharded_load_s'] / disk_r:.2f}x the disk's")
     print(f"peak RSS per rank (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
