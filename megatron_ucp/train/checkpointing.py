@@ -112,9 +112,10 @@ def load(args, state, reseed=None):
                                 verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
     else:
+        from megatron_ucp.legacy_convert import is_legacy
         from megatron_ucp.train import legacy, native
 
-        module = legacy if legacy.is_legacy(directory) else native
+        module = legacy if is_legacy(directory) else native
         iteration, consumed = module.load(args, state, directory)
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {directory} at iteration {iteration}", flush=True)

@@ -25,21 +25,10 @@ from megatron.core import parallel_state
 
 from megatron_ucp import rng
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.legacy_convert import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
 from megatron_ucp.train.model import unwrap
 
-MODEL_FILE = "model_optim_rng.pt"
-OPTIM_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
-
-
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """Megatron-LM's per-rank folder: mp_rank_TT, or mp_rank_TT_PPP with pipeline parallelism."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def is_legacy(directory: str) -> bool:
-    return os.path.isdir(directory) and any(
-        n.startswith("mp_rank_") and os.path.isdir(os.path.join(directory, n)) for n in os.listdir(directory))
 
 
 def _model_key(n_chunks: int, i: int) -> str:
