@@ -250,7 +250,7 @@ class Plan:
     tp: int
     pp: int
     vpp: int | None
-    dp: int
+    dp: int | None
     dist_opt: bool
     atomics: dict
     step: int
@@ -300,9 +300,10 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
     dp = a.get("data_parallel_size")
     if dp is None and a.get("world_size"):
         dp = int(a["world_size"]) // (tp * pp)
-    if dist_opt and not dp:
-        raise ConfigError(f"{iter_dir}: the distributed optimizer's layout depends on the data-parallel "
-                          "size, which the stored args lack; pass --data-parallel-size after '--'")
+    if dist_opt and a.get("overlap_grad_reduce") and not a.get("ddp_bucket_size") and not dp:
+        raise ConfigError(f"{iter_dir}: the distributed optimizer's default bucket size depends on the "
+                          "data-parallel size, which the stored args lack; pass --data-parallel-size "
+                          "or --ddp-bucket-size after '--'")
     gated = bool(a.get("swiglu"))
     tied = not a.get("untie_embeddings_and_output_weights")
     vocab = int(a["vocab_size"])
@@ -328,7 +329,7 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
         indices = _optimizer_indices(sd, path, chunk_params, dist_opt)
         offsets = {}
         if dist_opt:
-            offsets = _buffer_layout(rank_dir, chunk_params, pp_rank, pp, vpp, tied, int(dp), bucket_size,
+            offsets = _buffer_layout(rank_dir, chunk_params, pp_rank, pp, vpp, tied, int(dp or 1), bucket_size,
                                      bool(a.get("ddp_pad_buckets_for_high_nccl_busbw")))
         s, groups = _step_and_groups(sd, path, dist_opt)
         if step is None:
@@ -370,8 +371,10 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
     if consumed is None:
         raise ConfigError(f"{iter_dir}: the stored args lack consumed_train_samples; pass "
                           "--consumed-train-samples after '--'")
-    rng = _rng_states(rank_dirs, tp, int(dp or 1), first)
-    return Plan(int(first["iteration"]), a, tp, pp, vpp, int(dp or 1), dist_opt, atomics, int(step or 0),
+    if dp is None and isinstance(first.get("rng_state"), list):
+        dp = len(first["rng_state"])  # Megatron-LM keeps one RNG state per data-parallel rank
+    rng = _rng_states(rank_dirs, tp, int(dp), first) if dp else {}
+    return Plan(int(first["iteration"]), a, tp, pp, vpp, int(dp) if dp else None, dist_opt, atomics, int(step or 0),
                 param_groups, scheduler, int(consumed), rng)
 
 
@@ -486,7 +489,7 @@ def _rng_states(rank_dirs, tp, dp, first) -> dict:
 
 
 def _local_states(source: Source, plan: Plan, states) -> dict:
-    """The TP-local fp32 tensors of one source, as numpy views of the mmap'ed files."""
+    """The TP-local flat tensors of one source: views of the mmap'ed files, nothing read yet."""
     out = {}
     if plan.dist_opt and "exp_avg" in states:
         buffers = _torch_load(os.path.join(source.rank_dir, OPTIM_FILE))
@@ -500,57 +503,77 @@ def _local_states(source: Source, plan: Plan, states) -> dict:
         if "exp_avg" in states:
             st = sd["optimizer"]["state"][source.opt_index]
             out["exp_avg"], out["exp_avg_sq"] = st["exp_avg"].reshape(-1), st["exp_avg_sq"].reshape(-1)
-    return {k: v for k, v in out.items()}
+    return out
 
 
-def assemble(entry: Atomic, plan: Plan, states) -> dict:
-    """{file tensor name: array} of one atomic tensor (and its padding part)."""
+def _state_parts(entry: Atomic, plan: Plan, sources: dict, state: str) -> dict:
+    """One state of one atomic tensor: {part: array}, pages of the sources released after use."""
     import torch
 
-    parts = {"": {s: np.empty(entry.shape, dtype=np.float32) for s in states}}
+    parts = {"": np.empty(entry.shape, dtype=np.float32)}
     if entry.padding_rows:
-        pshape = (entry.padding_rows,) + tuple(entry.shape[1:])
-        parts[PADDING] = {s: np.empty(pshape, dtype=np.float32) for s in states}
+        parts[PADDING] = np.empty((entry.padding_rows,) + tuple(entry.shape[1:]), dtype=np.float32)
     padded = entry.shape[0] + entry.padding_rows if entry.rule.kind == "vocab" else None
     for source in entry.sources:
-        local = _local_states(source, plan, states)
-        for s in states:
-            if local[s].dtype != torch.float32:
-                raise FormatError(f"{source.rank_dir}: {source.local_name} {s} is {local[s].dtype}; "
-                                  "the converter reads fp32 state only")
+        local = sources[id(source)][state]
+        if local.dtype != torch.float32:
+            raise FormatError(f"{source.rank_dir}: {source.local_name} {state} is {local.dtype}; "
+                              "the converter reads fp32 state only")
+        flat = local.numpy()
         for p in pieces(entry.rule, entry.shape, plan.tp, source.tp_rank, padded):
             box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))
-            for s in states:
-                flat = local[s][p.local_start:p.local_start + p.numel]
-                parts[p.part][s][box] = flat.numpy().reshape(p.shape)
-        for t in local.values():
-            _release(t)
-        del local
-    return {mf.file_tensor_name(s, part): parts[part][s] for part in parts for s in states}
+            parts[p.part][box] = flat[p.local_start:p.local_start + p.numel].reshape(p.shape)
+        _release(local)
+    return parts
 
 
-def write_atomic(path: str, layout: storage.TensorFileLayout, arrays: dict) -> list:
-    """Write header and data sequentially, once; block CRC-32s computed from memory."""
-    crcs, block, crc, filled = [], storage.BLOCK_BYTES, 0, 0
+class _CrcWriter:
+    """Sequential writes with block CRC-32s of the data section computed on the way."""
+
+    def __init__(self, f):
+        self.f, self.crcs, self.crc, self.filled = f, [], 0, 0
+
+    def write(self, array: np.ndarray) -> None:
+        raw = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        self.f.write(raw)
+        pos, block = 0, storage.BLOCK_BYTES
+        while pos < len(raw):
+            take = min(block - self.filled, len(raw) - pos)
+            self.crc = zlib.crc32(raw[pos:pos + take], self.crc)
+            self.filled += take
+            pos += take
+            if self.filled == block:
+                self.crcs.append(f"{self.crc:08x}")
+                self.crc, self.filled = 0, 0
+
+    def finish(self) -> list:
+        if self.filled:
+            self.crcs.append(f"{self.crc:08x}")
+        return self.crcs
+
+
+def write_atomic(path: str, layout: storage.TensorFileLayout, entry: Atomic, plan: Plan, states) -> list:
+    """Assemble and write one atomic tensor, one state at a time (the small vocabulary-padding
+    parts are kept for the end of the file); returns the block checksums."""
+    sources = {id(s): _local_states(s, plan, states) for s in entry.sources}
+    padding = {}
     with open(path, "wb") as f:
         f.write(layout.header)
-        for name, _, _ in layout.entries:
-            raw = memoryview(np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8))
-            f.write(raw)
-            pos = 0
-            while pos < len(raw):
-                take = min(block - filled, len(raw) - pos)
-                crc = zlib.crc32(raw[pos:pos + take], crc)
-                filled += take
-                pos += take
-                if filled == block:
-                    crcs.append(f"{crc:08x}")
-                    crc, filled = 0, 0
-        if filled:
-            crcs.append(f"{crc:08x}")
+        out = _CrcWriter(f)
+        for state in states:
+            parts = _state_parts(entry, plan, sources, state)
+            out.write(parts.pop(""))
+            if PADDING in parts:
+                padding[state] = parts[PADDING]
+            del parts
+        for state in states:
+            if state in padding:
+                out.write(padding.pop(state))
         f.flush()
         os.fsync(f.fileno())
-    return crcs
+    if os.path.getsize(path) != layout.file_size:
+        raise FormatError(f"{path}: wrote {os.path.getsize(path)} bytes, its layout needs {layout.file_size}")
+    return out.finish()
 
 
 _PLAN = None  # set in the parent before the pool forks; workers read it
@@ -562,8 +585,7 @@ def _convert_one(args):
     meta = {"file": mf.tensor_file(name), "shape": list(entry.shape), "dtype": "F32",
             "rule": entry.rule.to_json(), "padding_rows": entry.padding_rows, "states": list(states)}
     layout = mf.file_layout(meta)
-    arrays = assemble(entry, _PLAN, states)
-    crcs = write_atomic(os.path.join(tmp, meta["file"]), layout, arrays)
+    crcs = write_atomic(os.path.join(tmp, meta["file"]), layout, entry, _PLAN, states)
     meta.update(file_size=layout.file_size, block_bytes=storage.BLOCK_BYTES, checksums=crcs)
     return name, meta
 
@@ -649,7 +671,8 @@ def _manifest(plan: Plan, entries: dict) -> dict:
     a = plan.args
     vocab = int(a["vocab_size"])
     layout = {
-        "world_size": plan.tp * plan.pp * plan.dp, "tensor_model_parallel_size": plan.tp,
+        # Without RNG files the saving layout is recorded as unknown, so a loader reseeds.
+        "world_size": plan.tp * plan.pp * plan.dp if plan.rng and plan.dp else None, "tensor_model_parallel_size": plan.tp,
         "pipeline_model_parallel_size": plan.pp, "virtual_pipeline_model_parallel_size": plan.vpp,
         "data_parallel_size": plan.dp, "expert_model_parallel_size": 1,
         "expert_tensor_parallel_size": plan.tp, "use_distributed_optimizer": plan.dist_opt,
