@@ -8,7 +8,13 @@ import pytest
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.layout import Rule
-from megatron_ucp.legacy_convert import buffer_offsets, global_name, global_rank, parse_rank_dir, rule_for_name
+from megatron_ucp.legacy_convert import (
+    buffer_offsets,
+    global_name,
+    global_rank,
+    parse_rank_dir,
+    rule_for_name,
+)
 
 
 def test_buffer_offsets_reverse_order_and_64_element_starts():
