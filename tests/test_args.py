@@ -26,6 +26,7 @@ def parse(argv, world):
      ["--expert-model-parallel-size"]),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      ["--num-layers-per-virtual-pipeline-stage"]),
+    (["--ckpt-format", "torch", "--num-experts", "4"], 1, ["--ckpt-format torch", "--num-experts"]),
 ])
 def test_bad_combinations_name_the_arguments(argv, world, names):
     with pytest.raises(ConfigError) as e:
