@@ -1,4 +1,7 @@
-"""Convert a megatron-core `torch_dist` checkpoint into a universal one.
+"""Convert a megatron-core `torch_dist` or Megatron-LM legacy `torch` checkpoint into a universal one.
+
+Legacy per-rank `torch` checkpoints (`mp_rank_*` folders) are converted in this process, one
+atomic tensor at a time (`megatron_ucp/legacy_convert.py`). For `torch_dist`:
 
 Megatron's own loader is the reader: the conversion starts CPU processes in the checkpoint's
 layout (from the arguments the checkpoint stores, overridable by flags), loads it natively,
@@ -59,10 +62,24 @@ def argv_from_args(args: dict) -> list:
     return argv
 
 
+def legacy_overrides(extra_argv) -> dict:
+    """Flags after '--' for a legacy checkpoint: only those given, by argument name."""
+    from megatron_ucp.train.args import build_parser
+
+    p = build_parser()
+    p.add_argument("--consumed-train-samples", type=int)
+    p.add_argument("--data-parallel-size", type=int)
+    p.add_argument("--ddp-bucket-size", type=int)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return vars(p.parse_args(list(extra_argv)))
+
+
 def _resolve(input_dir: str, iteration):
+    from megatron_ucp.legacy_convert import is_legacy
     from megatron_ucp.train.checkpointing import iteration_dir, read_tracker
 
-    if os.path.exists(os.path.join(input_dir, "common.pt")):  # an iter_ folder itself
+    if os.path.exists(os.path.join(input_dir, "common.pt")) or is_legacy(input_dir):  # an iter_ folder
         name = os.path.basename(os.path.normpath(input_dir))
         return os.path.dirname(os.path.normpath(input_dir)), int(name.split("_")[-1])
     it = iteration if iteration is not None else read_tracker(input_dir)
@@ -71,11 +88,18 @@ def _resolve(input_dir: str, iteration):
     return input_dir, it
 
 
-def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None) -> dict:
+def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
+            progress=True) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
+    from megatron_ucp.legacy_convert import is_legacy
     from megatron_ucp.train.checkpointing import iteration_dir
 
     root, it = _resolve(input_dir, iteration)
+    if is_legacy(iteration_dir(root, it)):
+        from megatron_ucp import legacy_convert
+
+        return legacy_convert.convert(iteration_dir(root, it), output_dir, legacy_overrides(extra_argv),
+                                      workers=workers, progress=progress)
     args = stored_args(iteration_dir(root, it))
     argv = argv_from_args(args) + list(extra_argv)
     if not args and not extra_argv:
@@ -125,16 +149,21 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="convert_to_universal", description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="torch_dist save folder (or one iter_ folder)")
+    p.add_argument("--input", required=True, help="torch_dist or legacy torch save folder (or one iter_ folder)")
     p.add_argument("--output", required=True, help="where the universal checkpoint goes")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--nproc", type=int, default=None, help="default: the checkpoint's world size")
+    p.add_argument("--workers", type=int, default=1,
+                   help="legacy torch: convert this many atomic tensors in parallel processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(own)
     if a.worker:
         _worker(a.output, extra)
         return 0
-    summary = convert(a.input, a.output, a.iteration, extra, a.nproc)
+    if a.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress)
     print(f"converted {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
           f"{summary['seconds']:.1f} s ({summary['GB/s']:.3f} GB/s) into {summary['output']}")
     return 0

@@ -118,3 +118,14 @@ def read_manifest(directory: str) -> dict:
         except (KeyError, LayoutError, TypeError, ValueError) as e:
             raise FormatError(f"{path}: {where}: bad rule {entry.get('rule')!r} ({e})") from None
     return m
+
+
+def jsonable(obj):
+    """Arguments made JSON-safe: string keys, lists for tuples, repr() for anything else."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    return repr(obj)

@@ -394,11 +394,4 @@ def _replace_dir(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (int, float, str, bool)) or obj is None:
-        return obj
-    return repr(obj)
+_jsonable = mf.jsonable

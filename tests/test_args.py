@@ -28,6 +28,7 @@ def parse(argv, world):
      ["--num-layers-per-virtual-pipeline-stage"]),
     (["--elastic", "--ckpt-format", "torch_dist"], 1, ["--elastic", "--ckpt-format universal"]),
     (["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
+    (["--ckpt-format", "torch", "--num-experts", "4"], 1, ["--ckpt-format torch", "--num-experts"]),
 ])
 def test_bad_combinations_name_the_arguments(argv, world, names):
     with pytest.raises(ConfigError) as e:

@@ -25,6 +25,8 @@ GQA = [
     "--untie-embeddings-and-output-weights", "--disable-bias-linear",
     "--make-vocab-size-divisible-by", "128",  # vocab 250 pads to 256 on TP1/TP2, 512 on TP4
 ]
+VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+LEGACY = ["--ckpt-format", "torch"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
 
 
@@ -65,8 +67,7 @@ def w4(work):
         train("b_pp4_tp2pp2", TP2PP2, load=d("B"), step=K),
         roundtrip("r_pp4_tp2pp2", TP2PP2 + DIST, d("B"), K, d("R_pp4")),
         # PP2 with 2 virtual stages per rank to PP4 without.
-        train("a_vpp", ["--pipeline-model-parallel-size", "2",
-                        "--num-layers-per-virtual-pipeline-stage", "1"] + DIST, save=d("C"), interval=K),
+        train("a_vpp", VPP + DIST, save=d("C"), interval=K),
         train("b_vpp_pp4", ["--pipeline-model-parallel-size", "4"], load=d("C"), step=K),
         roundtrip("r_vpp_pp4", ["--pipeline-model-parallel-size", "4"], d("C"), K, d("R_vpp")),
         # GQA + SwiGLU + RoPE + RMSNorm + untied, vocab 250: TP1 -> TP2 -> TP4 -> TP1.
@@ -100,6 +101,13 @@ def w4n(work):
         {"name": "c_full", "op": "convert", "output": d("CF"),
          "argv": BASE + TP2PP2 + DIST + ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-format",
                                          "fully_reshardable", "--load", d("NF"), "--ckpt-step", str(K)]},
+        # Megatron-LM's legacy per-rank torch format: distributed optimizer (TP2xPP2, and PP2 with
+        # virtual stages) and plain optimizer; same-layout resume; converted in the test process.
+        train("l_tp2pp2", TP2PP2 + DIST + LEGACY, save=d("L"), interval=K),
+        train("l_resume", TP2PP2 + DIST + LEGACY, load=d("L"), step=K, universal=False),
+        train("l_nodist", TP2PP2 + LEGACY, save=d("LND"), interval=K),
+        train("l_vpp", VPP + DIST + LEGACY, save=d("LV"), interval=K),
+        train("l_g", GQA + DIST + LEGACY, save=d("LG"), interval=3),  # DP4, SwiGLU, untied
         train("n_nodist", TP2PP2 + ["--ckpt-format", "torch_dist"], save=d("NND"), interval=K),
         {"name": "c_nodist", "op": "convert", "output": d("CND"),
          "argv": BASE + TP2PP2 + ["--ckpt-format", "torch_dist", "--load", d("NND"), "--ckpt-step", str(K)]},
@@ -120,11 +128,30 @@ def converted(work, w4n):
 
 
 @pytest.fixture(scope="module")
-def w2(work, w4, converted):
+def legacy_converted(work, w4n):
+    """The legacy checkpoints converted in this process (no megatron processes), timed."""
+    from megatron_ucp.convert import convert
+
+    out = {}
+    for step, src, workers, it in (("l_tp2pp2", "L", 1, K), ("l_nodist", "LND", 2, K), ("l_vpp", "LV", 1, K),
+                                   ("l_g", "LG", 1, 3)):
+        ok(w4n, step)
+        out[src] = convert(str(work / src), str(work / f"C{src}"), iteration=it, workers=workers,
+                           progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def w2(work, w4, converted, legacy_converted):
     d = lambda name: str(work / name)  # noqa: E731
     ok(w4, "a_dp4")
     steps = [
         train("b_converted_tp1dp2", DIST, load=d("CN"), step=K),
+        # Converted legacy checkpoints on other layouts.
+        train("b_legacy_tp1dp2", DIST, load=d("CL"), step=K),
+        train("b_legacy_nodist_tp2", ["--tensor-model-parallel-size", "2"], load=d("CLND"), step=K),
+        train("b_legacy_vpp_pp2", ["--pipeline-model-parallel-size", "2"] + DIST, load=d("CLV"), step=K),
+        train("b_legacy_g_tp2", GQA + ["--tensor-model-parallel-size", "2"], load=d("CLG"), step=3),
         train("b_dp2", [], load=d("D"), step=K, save=d("D2"), interval=7),
         train("b_dp2_dist", DIST, load=d("D2"), step=7),
         roundtrip("r_dp4_dp2", [], d("D"), K, d("R_dp2")),
@@ -182,6 +209,8 @@ def test_same_layout_resume_is_bitwise(w4, w4n):
     assert losses(w4, "b_tp2pp2") == {i: v for i, v in losses(w4, "a_tp2pp2").items() if i > K}
     # megatron's own torch_dist format, same layout
     assert losses(w4n, "n_resume") == {i: v for i, v in losses(w4n, "n_tp2pp2").items() if i > K}
+    # Megatron-LM's legacy torch format, same layout
+    assert losses(w4n, "l_resume") == {i: v for i, v in losses(w4n, "l_tp2pp2").items() if i > K}
 
 
 @pytest.mark.parametrize("reference,resumed", [("m_ep2", "m_ep2_resume"), ("m_ep2_native", "m_ep2_native_resume")])
@@ -260,3 +289,70 @@ def test_manifest_is_layout_free(w4, work):
     assert emb["padding_rows"] == 6  # 250 padded to 256 (32 x TP2 = 64) kept beside it
     assert "decoder.layers.3.mlp.linear_fc1.weight" in m["tensors"]  # global layer numbers
     assert not any("output_layer" in n for n in m["tensors"])  # tied embedding stored once
+
+
+@pytest.mark.parametrize("legacy,reference,source,src,it,tensors", [
+    ("l_tp2pp2", "a_tp2pp2", "A", "L", K, 52), ("l_nodist", "a_nodist", "AND", "LND", K, 52),
+    ("l_vpp", "a_vpp", "C", "LV", K, 52), ("l_g", "g_tp1", "G1", "LG", 3, 27)])
+def test_converted_legacy_equals_a_direct_universal_save(w4, w4n, work, legacy_converted, legacy, reference,
+                                                         source, src, it, tensors):
+    assert losses(w4n, legacy) == losses(w4, reference)  # the same training, saved in both formats
+    summary = legacy_converted[src]
+    assert summary["tensors"] == tensors and summary["bytes"] > 0 and summary["GB/s"] > 0
+    assert_same_state(work / source / f"iter_{it:07d}", work / f"C{src}" / f"iter_{it:07d}")
+
+
+@pytest.mark.parametrize("reference,resumed,step", [
+    ("a_tp2pp2", "b_legacy_tp1dp2", K), ("a_nodist", "b_legacy_nodist_tp2", K), ("a_vpp", "b_legacy_vpp_pp2", K),
+    ("g_tp1", "b_legacy_g_tp2", 3)])
+def test_converted_legacy_resumes_on_another_layout(w4, w2, reference, resumed, step):
+    assert sorted(losses(w2, resumed)) == list(range(step + 1, N + 1))
+    assert max_loss_delta(losses(w4, reference), losses(w2, resumed)) <= TOL
+
+
+def _legacy_copy(work, name, edit_args=None, drop=None):
+    """A copy of the legacy TP2xPP2 checkpoint, its first rank's args edited or a folder dropped."""
+    import shutil
+
+    import torch
+
+    src, dst = work / "L" / "iter_0000005", work / name / "iter_0000005"
+    shutil.rmtree(work / name, ignore_errors=True)
+    shutil.copytree(src, dst)
+    if edit_args:
+        path = dst / "mp_rank_00_000" / "model_optim_rng.pt"
+        sd = torch.load(path, weights_only=True)
+        edit_args(sd["args"])
+        torch.save(sd, path)
+    if drop:
+        shutil.rmtree(dst / drop)
+    return dst
+
+
+def test_legacy_conversion_names_what_is_missing(w4, w4n, work):
+    from megatron_ucp.convert import convert
+    from megatron_ucp.errors import ConfigError, IncompleteCheckpointError
+
+    ok(w4n, "l_tp2pp2")
+    no_vocab = _legacy_copy(work, "L_novocab", edit_args=lambda a: a.pop("vocab_size"))
+    with pytest.raises(ConfigError, match=r"lack vocab_size; pass --vocab-size"):
+        convert(str(no_vocab), str(work / "C_novocab"), progress=False)
+    # The flag supplies it; the result is the same state.
+    convert(str(no_vocab), str(work / "C_novocab"), extra_argv=["--vocab-size", "250"], progress=False)
+    assert_same_state(work / "A" / "iter_0000005", work / "C_novocab" / "iter_0000005")
+
+    no_consumed = _legacy_copy(work, "L_noconsumed", edit_args=lambda a: a.pop("consumed_train_samples"))
+    with pytest.raises(ConfigError, match="consumed_train_samples"):
+        convert(str(no_consumed), str(work / "C_noconsumed"), progress=False)
+
+    no_rank = _legacy_copy(work, "L_norank", drop="mp_rank_01_001")
+    with pytest.raises(IncompleteCheckpointError, match=r"TP 2 x PP 2 needs folders"):
+        convert(str(no_rank), str(work / "C_norank"), progress=False)
+    assert not (work / "C_norank" / "iter_0000005").exists()
+
+    # The command line reports it as an error, exit code 2.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_to_universal.py"), "--input",
+                           str(no_vocab), "--output", str(work / "C_cli")],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "--vocab-size" in proc.stderr, proc.stderr[-2000:]

@@ -1,10 +1,13 @@
-"""Convert a megatron-core torch_dist checkpoint into a universal one (CPU only).
+"""Convert a Megatron checkpoint (megatron-core torch_dist, or Megatron-LM's legacy per-rank
+torch format) into a universal one (CPU only).
 
     python tools/convert_to_universal.py --input SAVE_DIR --output OUT [--iteration N] [--nproc P] \
-        [-- MODEL AND LAYOUT FLAGS]
+        [--workers N] [--no-progress] [-- MODEL AND LAYOUT FLAGS]
 
-The checkpoint's stored training arguments rebuild the model and layout; flags after `--`
-override or supply them. See megatron_ucp/convert.py.
+The checkpoint's stored training arguments describe the model and layout; flags after `--`
+override or supply them. Legacy torch checkpoints are streamed one atomic tensor at a time in
+this process (`--workers` in parallel); torch_dist ones go through megatron's own loader in CPU
+processes of the checkpoint's layout. See megatron_ucp/convert.py and legacy_convert.py.
 """
 
 import os

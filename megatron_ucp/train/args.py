@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not the latest")
     g.add_argument("--load-universal", action="store_true", help="resume from a universal checkpoint, any layout")
-    g.add_argument("--ckpt-format", choices=["universal", "torch_dist"], default="universal")
+    g.add_argument("--ckpt-format", choices=["universal", "torch_dist", "torch"], default="universal",
+                   help="torch_dist: megatron-core's distributed format; torch: Megatron-LM's legacy "
+                        "per-rank files (mp_rank_XX[_YYY]/model_optim_rng.pt, distrib_optim.pt)")
     g.add_argument(
         "--dist-ckpt-optim-format",
         choices=["dp_reshardable", "fully_reshardable"],
@@ -285,9 +287,11 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _need(not args.async_save or args.ckpt_format == "universal",
           "--async-save needs --ckpt-format universal")
     _need(not args.elastic or args.ckpt_format == "universal",
-          "--elastic needs --ckpt-format universal (torch_dist checkpoints load only on their own layout)")
+          "--elastic needs --ckpt-format universal (torch_dist and torch checkpoints load only on their own layout)")
     _need(args.distributed_timeout_minutes > 0,
           f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
+    _need(args.ckpt_format != "torch" or args.num_experts is None,
+          "--ckpt-format torch is supported for dense models only (no --num-experts): use torch_dist or universal")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)

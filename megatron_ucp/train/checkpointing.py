@@ -44,10 +44,11 @@ def finish_pending_save(state) -> None:
 def save(args, state, iteration: int, consumed: int) -> None:
     finish_pending_save(state)
     start = time.perf_counter()
-    if args.ckpt_format == "torch_dist":
-        from megatron_ucp.train import native
+    if args.ckpt_format in ("torch_dist", "torch"):
+        from megatron_ucp.train import legacy, native
 
-        native.save(args, state, iteration, consumed, iteration_dir(args.save, iteration))
+        module = native if args.ckpt_format == "torch_dist" else legacy
+        module.save(args, state, iteration, consumed, iteration_dir(args.save, iteration))
         dist.barrier()
         if dist.get_rank() == 0:
             write_tracker(args.save, iteration)
@@ -126,9 +127,11 @@ def load(args, state, reseed=None):
                                 verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
     else:
-        from megatron_ucp.train import native
+        from megatron_ucp.legacy_convert import is_legacy
+        from megatron_ucp.train import legacy, native
 
-        iteration, consumed = native.load(args, state, directory)
+        module = legacy if is_legacy(directory) else native
+        iteration, consumed = module.load(args, state, directory)
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {directory} at iteration {iteration}", flush=True)
     return iteration, consumed

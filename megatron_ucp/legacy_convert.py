@@ -1,0 +1,688 @@
+"""Convert Megatron-LM's legacy per-rank `torch` checkpoint into a universal one, streaming.
+
+No GPU, no process group, no megatron model: each `mp_rank_TT[_PPP]/model_optim_rng.pt` holds
+whole TP-local tensors (and `distrib_optim.pt` the distributed optimizer's state gathered over
+data parallelism), so every atomic tensor is assembled from the TP ranks' files of one pipeline
+stage through the project's layout rules (`layout.pieces`) and written once. Files are opened
+with `torch.load(mmap=True)` for each atomic tensor and closed after it, so memory holds a few
+atomic tensors, not the checkpoint. `workers` processes convert tensors in parallel.
+
+What megatron keeps implicit is derived here by pure functions, each checked against what the
+checkpoint records: the parameter order of megatron's optimizer groups (checked against the
+stored groups' sizes and every moment's shape) and the distributed optimizer's buffer layout
+(checked against the stored `numel_unpadded` of every buffer).
+"""
+
+import argparse
+import fnmatch
+import math
+import multiprocessing
+import os
+import re
+import shutil
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_ucp import manifest as mf
+from megatron_ucp import storage
+from megatron_ucp.errors import (
+    ConfigError,
+    FormatError,
+    IncompleteCheckpointError,
+    LayoutError,
+)
+from megatron_ucp.layout import (
+    PADDING,
+    Rule,
+    atomic_shape_from_local,
+    layer_offset,
+    local_shape,
+    pieces,
+)
+
+MODEL_FILE = "model_optim_rng.pt"
+OPTIM_FILE = "distrib_optim.pt"
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+# ---------------------------------------------------------------- pure rules
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Megatron-LM's per-rank folder: mp_rank_TT, or mp_rank_TT_PPP with pipeline parallelism."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def is_legacy(directory: str) -> bool:
+    """An iteration folder of Megatron-LM's legacy per-rank format."""
+    return os.path.isdir(directory) and any(
+        _RANK_DIR.match(n) and os.path.isdir(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+def parse_rank_dir(name: str):
+    """'mp_rank_01_002' -> (tp_rank 1, pp_rank 2); expert-parallel folders are refused."""
+    m = _RANK_DIR.match(name)
+    if not m:
+        return None
+    if m.group(3) is not None:
+        raise LayoutError(f"{name}: expert-parallel legacy checkpoints (mp_rank_TT_PPP_EEE) are not supported")
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def rule_for_name(local_name: str, gated: bool) -> Rule:
+    """Megatron-core GPT's tensor-parallel layout of a parameter, from its name (local spec and
+    TE spec names); the same rules model_map reads from the parameters' attributes."""
+    if local_name in (EMBEDDING, OUTPUT):
+        return Rule("vocab")
+    if re.search(r"(^|\.)linear_qkv\.(weight|bias)$", local_name):
+        return Rule("split", 0)
+    if re.search(r"(^|\.)linear_fc1\.(weight|bias)$", local_name):
+        return Rule("gated") if gated else Rule("split", 0)
+    if re.search(r"(^|\.)(linear_proj|linear_fc2)\.weight$", local_name):
+        return Rule("split", 1)
+    if (re.search(r"(^|\.)(linear_proj|linear_fc2)\.bias$", local_name)
+            or re.search(r"(layernorm|layer_norm)(_weight|_bias|\.weight|\.bias)$", local_name)
+            or local_name == "embedding.position_embeddings.weight"):
+        return Rule("replicated")
+    raise LayoutError(f"parameter {local_name!r}: unknown to the legacy converter, cannot tell how "
+                      "tensor parallelism splits it")
+
+
+def global_name(local_name: str, num_layers: int, pp: int, pp_rank: int, vpp: int | None,
+                vp_stage: int | None, layers_in_chunk: int) -> str:
+    """Local layer index of (pp_rank, vp_stage) -> global layer number, as model_map names them."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    per_chunk = num_layers // (pp * (vpp or 1))
+    if layers_in_chunk != per_chunk:
+        raise LayoutError(f"pipeline rank {pp_rank} stage {vp_stage}: {layers_in_chunk} layers, the even "
+                          f"split of {num_layers} layers gives {per_chunk}; uneven splits are not supported")
+    index = int(m.group(1))
+    return f"decoder.layers.{layer_offset(num_layers, pp, pp_rank, vpp, vp_stage) + index}.{m.group(2)}"
+
+
+def no_weight_decay(name: str, shape) -> bool:
+    """megatron-core's standard override: biases and 1-D parameters get wd_mult 0."""
+    return len(shape) == 1 or fnmatch.fnmatch(name, "*.bias")
+
+
+def buffer_offsets(params, dp: int, bucket_size: int | None, pad_for_high_busbw: bool = False):
+    """Offsets of each parameter in the distributed optimizer's saved flat state of one buffer.
+
+    params: [(name, numel, shared_embedding)] in the model's parameter order. Mirrors
+    megatron-core 0.16's `_ParamAndGradBuffer` (distributed optimizer): parameters in reverse
+    order, each start padded to 64 elements, bucket ends padded to lcm(dp, 128) (and 2^16 with
+    `pad_buckets_for_high_nccl_busbw`), the shared embedding in a bucket of its own; and its
+    `get_parameter_state_dp_zero`, which drops the bucket-end padding. Returns
+    ({name: (offset, numel)}, numel_unpadded).
+    """
+    divisor = math.lcm(dp, 128, 2**16) if pad_for_high_busbw else math.lcm(dp, 128)
+
+    def pad(n, d):
+        return -(-n // d) * d
+
+    index, unpadded = {}, []
+    bucket_start, start, in_bucket = 0, 0, 0
+    end = 0
+
+    def close(end_index):
+        nonlocal bucket_start, in_bucket
+        unpadded.append((bucket_start, end_index - bucket_start))
+        bucket_start, in_bucket = pad(end_index, divisor), 0
+        return bucket_start
+
+    for name, numel, shared in reversed(list(params)):
+        start = pad(start, 64)
+        if shared and in_bucket:
+            start = close(start)
+        end = start + numel
+        index[name] = (start, numel, len(unpadded))
+        in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
+            start = close(end)
+        else:
+            start = end
+    if in_bucket:
+        close(end)
+    # World offsets: buckets concatenated without their end padding.
+    out, world_start, total = {}, [], 0
+    for _, b_numel in unpadded:
+        world_start.append(total)
+        total += b_numel
+    for name, (s, numel, bucket) in index.items():
+        out[name] = (world_start[bucket] + s - unpadded[bucket][0], numel)
+    return out, total
+
+
+def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """megatron-core's default rank order (tp-cp-ep-dp-pp) without context parallelism."""
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+# ---------------------------------------------------------------- reading
+
+
+_LOADED: dict = {}  # path -> the file's objects, tensors mmap'ed (per process)
+
+
+def _torch_load(path: str):
+    """torch.load(mmap=True, weights_only=True), once per file and process: tensor data stays
+    on disk until read, and `_release` gives the pages back after use."""
+    import torch
+
+    if path in _LOADED:
+        return _LOADED[path]
+    if not os.path.exists(path):
+        raise IncompleteCheckpointError(f"{path}: missing")
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- pickle of Megatron-LM's own runs: allow its plain containers only
+        try:
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception:  # noqa: BLE001 -- any unpickling failure: not safely readable
+            raise FormatError(f"{path}: cannot be read safely (weights_only=True): {e}") from None
+    _LOADED[path] = obj
+    return obj
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_MADV_DONTNEED = 4
+
+
+def _release(t) -> None:
+    """Drop the resident pages of an mmap'ed tensor (read-only private mapping: they are
+    re-read from the file if touched again), so memory stays bounded by the tensors in flight."""
+    import ctypes
+
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    start = t.data_ptr() // _PAGE * _PAGE
+    length = -(-(t.data_ptr() + nbytes - start) // _PAGE) * _PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+
+def _plain(args) -> dict:
+    if isinstance(args, argparse.Namespace):
+        return vars(args)
+    return dict(args) if isinstance(args, dict) else {}
+
+
+@dataclass
+class Source:
+    """Where one TP rank's slice of an atomic tensor lives."""
+
+    tp_rank: int
+    rank_dir: str
+    chunk_key: str  # 'model', 'model0', ...
+    chunk: int
+    local_name: str
+    opt_index: int | None = None  # plain optimizer: index into the torch state
+    flat: tuple | None = None  # distributed optimizer: (buffer index, offset, numel)
+
+
+@dataclass
+class Atomic:
+    name: str
+    rule: Rule
+    shape: tuple
+    padding_rows: int
+    local_shape: tuple
+    sources: list = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """Everything the workers need (picklable, small)."""
+
+    iteration: int
+    args: dict
+    tp: int
+    pp: int
+    vpp: int | None
+    dp: int | None
+    dist_opt: bool
+    atomics: dict
+    step: int
+    param_groups: list
+    scheduler: dict | None
+    consumed: int
+    rng: dict  # global rank -> RNG state in our JSON form (empty when not ours)
+
+
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
+             "pipeline_model_parallel_size", "vocab_size")
+
+
+def _setting(args: dict, overrides: dict, key: str):
+    return overrides[key] if key in overrides else args.get(key)
+
+
+def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
+    """Read the small parts of every rank's file (mmap) and map every tensor; no tensor data."""
+    overrides = dict(overrides or {})
+    rank_dirs = {}
+    for name in sorted(os.listdir(iter_dir)):
+        coords = parse_rank_dir(name)
+        if coords is not None:
+            rank_dirs[coords] = os.path.join(iter_dir, name)
+    if not rank_dirs:
+        raise IncompleteCheckpointError(f"{iter_dir}: no mp_rank_* folders; not a legacy torch checkpoint")
+    first = _torch_load(os.path.join(rank_dirs[min(rank_dirs)], MODEL_FILE))
+    args = _plain(first.get("args"))
+    missing = [k for k in _REQUIRED if _setting(args, overrides, k) is None]
+    if missing:
+        flags = " ".join(f"--{k.replace('_', '-')}" for k in missing)
+        raise ConfigError(f"{iter_dir}: the checkpoint's stored args lack {', '.join(missing)}; pass {flags} "
+                          "after '--'")
+    a = {**args, **overrides}
+    tp, pp = int(a["tensor_model_parallel_size"]), int(a["pipeline_model_parallel_size"])
+    vpp = a.get("virtual_pipeline_model_parallel_size") or None
+    if a.get("num_experts"):
+        raise LayoutError(f"{iter_dir}: MoE models are not supported by the legacy converter")
+    if int(a.get("context_parallel_size") or 1) != 1:
+        raise LayoutError(f"{iter_dir}: context parallelism is not supported by the legacy converter")
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    if set(rank_dirs) != expected:
+        raise IncompleteCheckpointError(
+            f"{iter_dir}: TP {tp} x PP {pp} needs folders for {sorted(expected)}, found {sorted(rank_dirs)}")
+    dist_opt = bool(a.get("use_distributed_optimizer"))
+    dp = a.get("data_parallel_size")
+    if dp is None and a.get("world_size"):
+        dp = int(a["world_size"]) // (tp * pp)
+    if dist_opt and a.get("overlap_grad_reduce") and not a.get("ddp_bucket_size") and not dp:
+        raise ConfigError(f"{iter_dir}: the distributed optimizer's default bucket size depends on the "
+                          "data-parallel size, which the stored args lack; pass --data-parallel-size "
+                          "or --ddp-bucket-size after '--'")
+    gated = bool(a.get("swiglu"))
+    tied = not a.get("untie_embeddings_and_output_weights")
+    vocab = int(a["vocab_size"])
+    num_layers = int(a["num_layers"])
+    bucket_size = None
+    if a.get("overlap_grad_reduce"):
+        bucket_size = a.get("ddp_bucket_size") or max(40000000, 1000000 * int(dp or 1))
+    atomics: dict = {}
+    step, param_groups, scheduler = None, [], first.get("opt_param_scheduler")
+    for (tp_rank, pp_rank), rank_dir in sorted(rank_dirs.items()):
+        path = os.path.join(rank_dir, MODEL_FILE)
+        sd = first if (tp_rank, pp_rank) == min(rank_dirs) else _torch_load(path)
+        chunk_keys = ["model"] if "model" in sd else sorted(
+            (k for k in sd if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+        if len(chunk_keys) != (vpp or 1):
+            raise FormatError(f"{path}: {len(chunk_keys)} model chunks, the args say {vpp or 1} virtual stages")
+        # Parameters of every chunk in megatron's order (state dict order, no _extra_state).
+        chunk_params = []
+        for c, key in enumerate(chunk_keys):
+            params = [(n, tuple(t.shape)) for n, t in sd[key].items()
+                      if not n.endswith("_extra_state") and hasattr(t, "shape")]
+            chunk_params.append(params)
+        indices = _optimizer_indices(sd, path, chunk_params, dist_opt)
+        offsets = {}
+        if dist_opt:
+            offsets = _buffer_layout(rank_dir, chunk_params, pp_rank, pp, vpp, tied, int(dp or 1), bucket_size,
+                                     bool(a.get("ddp_pad_buckets_for_high_nccl_busbw")))
+        s, groups = _step_and_groups(sd, path, dist_opt)
+        if step is None:
+            step, param_groups = s, groups
+        elif s != step:
+            raise FormatError(f"{path}: optimizer step {s}, other ranks' {step}")
+        for c, params in enumerate(chunk_params):
+            vp_stage = c if vpp else None
+            layers = {int(m.group(1)) for n, _ in params if (m := _LAYER.match(n))}
+            for n, shape in params:
+                if n == OUTPUT and tied:
+                    continue  # the last stage's copy of the tied embedding
+                rule = rule_for_name(n, gated)
+                gname = global_name(n, num_layers, pp, pp_rank, vpp, vp_stage, len(layers))
+                padded = shape[0] * tp if rule.kind == "vocab" else None
+                atomic_shape = atomic_shape_from_local(rule, shape, tp, vocab)
+                if rule.kind == "vocab" and padded < vocab:
+                    raise LayoutError(f"{path}: {n} has {padded} rows over TP {tp}, fewer than --vocab-size {vocab}")
+                entry = atomics.setdefault(gname, Atomic(gname, rule, atomic_shape,
+                                                         (padded - vocab) if padded else 0, shape))
+                if entry.shape != atomic_shape or entry.local_shape != shape:
+                    raise LayoutError(f"{path}: {n} has local shape {list(shape)}, other TP ranks give "
+                                      f"{list(entry.local_shape)}")
+                if local_shape(rule, atomic_shape, tp, padded) != shape:
+                    raise LayoutError(f"{path}: {n}: local shape {list(shape)} does not split as {rule}")
+                entry.sources.append(Source(tp_rank, rank_dir, chunk_keys[c], c, n,
+                                            opt_index=indices.get((c, n)), flat=offsets.get((c, n))))
+        if sd is not first:
+            del sd
+    for entry in atomics.values():
+        ranks = sorted(s.tp_rank for s in entry.sources)
+        want = [0] if entry.rule.kind == "replicated" else list(range(tp))
+        if entry.rule.kind == "replicated":
+            entry.sources = [s for s in entry.sources if s.tp_rank == 0]
+            ranks = [s.tp_rank for s in entry.sources]
+        if ranks != want:
+            raise IncompleteCheckpointError(f"{entry.name}: held by TP ranks {ranks}, expected {want}")
+    consumed = _setting(args, overrides, "consumed_train_samples")
+    if consumed is None:
+        raise ConfigError(f"{iter_dir}: the stored args lack consumed_train_samples; pass "
+                          "--consumed-train-samples after '--'")
+    if dp is None and isinstance(first.get("rng_state"), list):
+        dp = len(first["rng_state"])  # Megatron-LM keeps one RNG state per data-parallel rank
+    rng = _rng_states(rank_dirs, tp, int(dp), first) if dp else {}
+    return Plan(int(first["iteration"]), a, tp, pp, vpp, int(dp) if dp else None, dist_opt, atomics, int(step or 0),
+                param_groups, scheduler, int(consumed), rng)
+
+
+def _optimizer_indices(sd, path, chunk_params, dist_opt) -> dict:
+    """(chunk, local name) -> index of its state in the torch optimizer (plain optimizer)."""
+    if dist_opt:
+        return {}
+    opt = sd.get("optimizer")
+    if not isinstance(opt, dict) or "state" not in opt or "param_groups" not in opt:
+        kind = "a chained optimizer's list" if isinstance(opt, list) else (
+            "fp32_from_fp16_params (bf16)" if isinstance(opt, dict) and "fp32_from_fp16_params" in opt else
+            type(opt).__name__)
+        raise FormatError(f"{path}: 'optimizer' is not a plain torch optimizer state dict ({kind}); "
+                          "only fp32 training without the distributed optimizer is mapped")
+    groups = opt["param_groups"]
+    wd = [g for g in groups if float(g.get("wd_mult", 1.0)) != 0.0]
+    nowd = [g for g in groups if float(g.get("wd_mult", 1.0)) == 0.0]
+    if len(wd) > 1 or len(nowd) > 1:
+        raise FormatError(f"{path}: {len(groups)} optimizer parameter groups; the converter maps megatron's "
+                          "standard two (weight decay, no weight decay) only")
+    members = {id(g): [] for g in groups}
+    for c, params in enumerate(chunk_params):
+        for n, shape in params:
+            target = nowd if no_weight_decay(n, shape) else wd
+            if not target:
+                raise FormatError(f"{path}: no optimizer group for {n}")
+            members[id(target[0])].append((c, n, shape))
+    out = {}
+    for g in groups:
+        if len(g["params"]) != len(members[id(g)]):
+            raise FormatError(f"{path}: optimizer group with wd_mult {g.get('wd_mult')} holds "
+                              f"{len(g['params'])} parameters, the model has {len(members[id(g)])}")
+        for index, (c, n, shape) in zip(g["params"], members[id(g)]):
+            state = opt["state"].get(index, {})
+            if "exp_avg" not in state or tuple(state["exp_avg"].shape) != shape:
+                raise FormatError(f"{path}: optimizer state {index} does not fit {n} {list(shape)}")
+            out[(c, n)] = index
+    return out
+
+
+def _shared_embedding(name, chunk, n_chunks, pp_rank, pp, tied) -> bool:
+    """megatron's `shared_embedding` mark (a bucket of its own): tied embeddings split over stages."""
+    if not tied or pp == 1:
+        return False
+    pre = pp_rank == 0 and chunk == 0
+    post = pp_rank == pp - 1 and chunk == n_chunks - 1
+    return (name == EMBEDDING and pre and not post) or (name == OUTPUT and post and not pre)
+
+
+def _buffer_layout(rank_dir, chunk_params, pp_rank, pp, vpp, tied, dp, bucket_size, high_busbw) -> dict:
+    path = os.path.join(rank_dir, OPTIM_FILE)
+    state = _torch_load(path)
+    if isinstance(state, list):
+        raise FormatError(f"{path}: several chained optimizers' states; not supported")
+    buffers = sorted(k for k in state if isinstance(k, int))
+    if len(buffers) != len(chunk_params):
+        raise FormatError(f"{path}: {len(buffers)} buffers, the model has {len(chunk_params)} chunks")
+    out = {}
+    for c, params in enumerate(chunk_params):
+        per_dtype = state[buffers[c]]
+        if len(per_dtype) != 1:
+            raise FormatError(f"{path}: buffer {c} has {len(per_dtype)} dtypes, one expected")
+        (saved,) = per_dtype.values()
+        items = [(n, math.prod(s), _shared_embedding(n, c, len(chunk_params), pp_rank, pp, tied))
+                 for n, s in params]
+        offsets, numel = buffer_offsets(items, dp, bucket_size if c == 0 else None, high_busbw)
+        if int(saved["numel_unpadded"]) != numel:
+            raise FormatError(f"{path}: buffer {c} holds {int(saved['numel_unpadded'])} elements, the model's "
+                              f"parameters lay out to {numel} (different DP size or bucket size? pass "
+                              "--data-parallel-size / --ddp-bucket-size)")
+        for n, (offset, size) in offsets.items():
+            out[(c, n)] = (buffers[c], offset, size)
+    del state
+    return out
+
+
+def _step_and_groups(sd, path, dist_opt):
+    opt = sd.get("optimizer")
+    if dist_opt:
+        groups = opt["optimizer"]["param_groups"]
+        steps = {g.get("step") for g in groups}
+        if len(steps) != 1:
+            raise FormatError(f"{path}: optimizer groups have steps {steps}")
+        step = next(iter(steps))
+    else:
+        groups = opt["param_groups"]
+        steps = {int(float(s["step"])) for s in opt["state"].values() if "step" in s}
+        if len(steps) > 1:
+            raise FormatError(f"{path}: optimizer states have steps {steps}")
+        step = steps.pop() if steps else 0
+    plain = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+              if k not in ("params", "step") and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
+             for g in groups]
+    return int(float(step or 0)), plain
+
+
+def _rng_states(rank_dirs, tp, dp, first) -> dict:
+    """RNG files for a same-layout resume, when the states are in this project's JSON form."""
+    out = {}
+    for (tp_rank, pp_rank), rank_dir in rank_dirs.items():
+        sd = first if rank_dir == rank_dirs[min(rank_dirs)] else _torch_load(os.path.join(rank_dir, MODEL_FILE))
+        states = sd.get("rng_state")
+        if not isinstance(states, list) or len(states) != dp or not all(
+                isinstance(s, dict) and {"python", "numpy", "torch", "tracker"} <= set(s) for s in states):
+            return {}
+        for dp_rank, s in enumerate(states):
+            out[global_rank(tp_rank, dp_rank, pp_rank, tp, dp)] = s
+    return out
+
+
+# ---------------------------------------------------------------- one atomic tensor
+
+
+def _local_states(source: Source, plan: Plan, states) -> dict:
+    """The TP-local flat tensors of one source: views of the mmap'ed files, nothing read yet."""
+    out = {}
+    if plan.dist_opt and "exp_avg" in states:
+        buffers = _torch_load(os.path.join(source.rank_dir, OPTIM_FILE))
+        b, offset, numel = source.flat
+        (saved,) = buffers[b].values()
+        for s in states:
+            out[s] = saved[s][offset:offset + numel]
+    else:
+        sd = _torch_load(os.path.join(source.rank_dir, MODEL_FILE))
+        out["param"] = sd[source.chunk_key][source.local_name].reshape(-1)
+        if "exp_avg" in states:
+            st = sd["optimizer"]["state"][source.opt_index]
+            out["exp_avg"], out["exp_avg_sq"] = st["exp_avg"].reshape(-1), st["exp_avg_sq"].reshape(-1)
+    return out
+
+
+def _state_parts(entry: Atomic, plan: Plan, sources: dict, state: str) -> dict:
+    """One state of one atomic tensor: {part: array}, pages of the sources released after use."""
+    import torch
+
+    parts = {"": np.empty(entry.shape, dtype=np.float32)}
+    if entry.padding_rows:
+        parts[PADDING] = np.empty((entry.padding_rows,) + tuple(entry.shape[1:]), dtype=np.float32)
+    padded = entry.shape[0] + entry.padding_rows if entry.rule.kind == "vocab" else None
+    for source in entry.sources:
+        local = sources[id(source)][state]
+        if local.dtype != torch.float32:
+            raise FormatError(f"{source.rank_dir}: {source.local_name} {state} is {local.dtype}; "
+                              "the converter reads fp32 state only")
+        flat = local.numpy()
+        for p in pieces(entry.rule, entry.shape, plan.tp, source.tp_rank, padded):
+            box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))
+            parts[p.part][box] = flat[p.local_start:p.local_start + p.numel].reshape(p.shape)
+        _release(local)
+    return parts
+
+
+class _CrcWriter:
+    """Sequential writes with block CRC-32s of the data section computed on the way."""
+
+    def __init__(self, f):
+        self.f, self.crcs, self.crc, self.filled = f, [], 0, 0
+
+    def write(self, array: np.ndarray) -> None:
+        raw = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        self.f.write(raw)
+        pos, block = 0, storage.BLOCK_BYTES
+        while pos < len(raw):
+            take = min(block - self.filled, len(raw) - pos)
+            self.crc = zlib.crc32(raw[pos:pos + take], self.crc)
+            self.filled += take
+            pos += take
+            if self.filled == block:
+                self.crcs.append(f"{self.crc:08x}")
+                self.crc, self.filled = 0, 0
+
+    def finish(self) -> list:
+        if self.filled:
+            self.crcs.append(f"{self.crc:08x}")
+        return self.crcs
+
+
+def write_atomic(path: str, layout: storage.TensorFileLayout, entry: Atomic, plan: Plan, states) -> list:
+    """Assemble and write one atomic tensor, one state at a time (the small vocabulary-padding
+    parts are kept for the end of the file); returns the block checksums."""
+    sources = {id(s): _local_states(s, plan, states) for s in entry.sources}
+    padding = {}
+    with open(path, "wb") as f:
+        f.write(layout.header)
+        out = _CrcWriter(f)
+        for state in states:
+            parts = _state_parts(entry, plan, sources, state)
+            out.write(parts.pop(""))
+            if PADDING in parts:
+                padding[state] = parts[PADDING]
+            del parts
+        for state in states:
+            if state in padding:
+                out.write(padding.pop(state))
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.getsize(path) != layout.file_size:
+        raise FormatError(f"{path}: wrote {os.path.getsize(path)} bytes, its layout needs {layout.file_size}")
+    return out.finish()
+
+
+_PLAN = None  # set in the parent before the pool forks; workers read it
+
+
+def _convert_one(args):
+    name, tmp, states = args
+    entry = _PLAN.atomics[name]
+    meta = {"file": mf.tensor_file(name), "shape": list(entry.shape), "dtype": "F32",
+            "rule": entry.rule.to_json(), "padding_rows": entry.padding_rows, "states": list(states)}
+    layout = mf.file_layout(meta)
+    crcs = write_atomic(os.path.join(tmp, meta["file"]), layout, entry, _PLAN, states)
+    meta.update(file_size=layout.file_size, block_bytes=storage.BLOCK_BYTES, checksums=crcs)
+    return name, meta
+
+
+def _architecture(a: dict, vocab: int) -> dict:
+    heads = int(a["num_attention_heads"])
+    hidden = int(a["hidden_size"])
+    groups = a.get("num_query_groups") if a.get("group_query_attention") else heads
+    ffn = a.get("ffn_hidden_size")
+    if ffn is None:
+        raise ConfigError("the stored args lack ffn_hidden_size; pass --ffn-hidden-size after '--'")
+    add_bias = a["add_bias_linear"] if "add_bias_linear" in a else not a.get("disable_bias_linear", False)
+    return {
+        "num_layers": int(a["num_layers"]), "hidden_size": hidden, "ffn_hidden_size": int(ffn),
+        "num_attention_heads": heads, "num_query_groups": int(groups or heads),
+        "kv_channels": int(a.get("kv_channels") or hidden // heads),
+        "gated_linear_unit": bool(a.get("swiglu")), "normalization": a.get("normalization", "LayerNorm"),
+        "add_bias_linear": bool(add_bias), "num_experts": None, "moe_ffn_hidden_size": None,
+        "vocab_size": int(vocab), "position_embedding_type": a.get("position_embedding_type", "learned_absolute"),
+        "share_embeddings_and_output_weights": not a.get("untie_embeddings_and_output_weights"),
+    }
+
+
+def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, workers: int = 1,
+            progress: bool = True) -> dict:
+    """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
+    global _PLAN
+    from tqdm import tqdm
+
+    from megatron_ucp.train.checkpointing import iteration_dir, write_tracker
+
+    start = time.perf_counter()
+    plan = plan_conversion(iter_dir, overrides)
+    states = mf.STATES
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = os.path.join(output_dir, f".tmp_iter_{plan.iteration:07d}_{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.join(tmp, "tensors"))
+    os.makedirs(os.path.join(tmp, "rng"))
+    # Largest first: the pool's tail is short, and memory peaks early where it shows.
+    names = sorted(plan.atomics, key=lambda n: -math.prod(plan.atomics[n].shape))
+    total_bytes = sum(mf.file_layout({"shape": list(plan.atomics[n].shape), "states": list(states),
+                                      "padding_rows": plan.atomics[n].padding_rows}).file_size for n in names)
+    entries = {}
+    _PLAN = plan
+    try:
+        jobs = [(n, tmp, states) for n in names]
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
+        if workers > 1:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                for name, meta in pool.imap_unordered(_convert_one, jobs):
+                    entries[name] = meta
+                    bar.update(meta["file_size"])
+        else:
+            for job in jobs:
+                name, meta = _convert_one(job)
+                entries[name] = meta
+                bar.update(meta["file_size"])
+        bar.close()
+        for rank, s in plan.rng.items():
+            storage.atomic_write_json(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), s)
+        manifest = _manifest(plan, entries)
+        storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
+        storage.fsync_dir(os.path.join(tmp, "tensors"))
+        final = iteration_dir(output_dir, plan.iteration)
+        if os.path.exists(final):
+            raise ConfigError(f"{final} exists already; choose another --output")
+        os.rename(tmp, final)
+        storage.fsync_dir(output_dir)
+        write_tracker(output_dir, plan.iteration)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _PLAN = None
+        _LOADED.clear()
+    seconds = time.perf_counter() - start
+    nbytes = sum(e["file_size"] for e in entries.values())
+    return {"iteration": plan.iteration, "output": final, "tensors": len(entries), "bytes": nbytes,
+            "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
+
+
+def _manifest(plan: Plan, entries: dict) -> dict:
+    a = plan.args
+    vocab = int(a["vocab_size"])
+    layout = {
+        # Without RNG files the saving layout is recorded as unknown, so a loader reseeds.
+        "world_size": plan.tp * plan.pp * plan.dp if plan.rng and plan.dp else None, "tensor_model_parallel_size": plan.tp,
+        "pipeline_model_parallel_size": plan.pp, "virtual_pipeline_model_parallel_size": plan.vpp,
+        "data_parallel_size": plan.dp, "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": plan.tp, "use_distributed_optimizer": plan.dist_opt,
+    }
+    for e in entries.values():
+        if e["rule"]["kind"] == "vocab":
+            layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
+    return {
+        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": plan.iteration,
+        "consumed_samples": plan.consumed, "architecture": _architecture(a, vocab), "layout": layout,
+        "optimizer": {"type": "adam", "step": plan.step, "param_groups": plan.param_groups},
+        "scheduler": plan.scheduler, "args": mf.jsonable(a), "tensors": dict(sorted(entries.items())),
+    }
