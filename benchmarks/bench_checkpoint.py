@@ -56,6 +56,9 @@ def main() -> int:
            str(REPO / "benchmarks" / "bench_worker.py"), str(work / "spec.json"), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     subprocess.run(cmd, check=True, env=env)
+    (work / "spec.json").write_text(json.dumps(dict(spec, phase="load")))  # fresh processes
+    cmd[cmd.index("--master-port") + 1] = str(port + 1) if port < 65535 else str(port - 1)
+    subprocess.run(cmd, check=True, env=env)
     r = json.loads(out.read_text())
     gb = r["checkpoint_bytes"] / 1e9
     disk_w = r["disk"]["bytes"] / r["disk"]["write_s"] / 1e9
@@ -91,7 +94,12 @@ def main() -> int:
           f"reads its whole TP-local weights); read bandwidth of the load on those bytes: "
           f"{sum(read) / 1e9 / r['universal_resharded_load_s']:.2f} GB/s = "
           f"{sum(read) / 1e9 / r['universal_resharded_load_s'] / disk_r:.2f}x the disk's")
-    print(f"peak RSS per rank (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
+    mem = r["load_memory_per_rank"]
+    extra = [m["peak_rss_load_mib"] - m["rss_before_load_mib"] - (m["state_mib"] - m["state_before_load_mib"])
+             for m in mem]
+    print(f"resharded load, per rank: training state {[round(m['state_mib']) for m in mem]} MiB; the load's "
+          f"peak RSS beyond the state it allocates: {[round(x) for x in extra]} MiB")
+    print(f"peak RSS per rank over the whole load process (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
     return 0

@@ -61,8 +61,8 @@ def checkpoint_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.load(open(spec_path))
+def main(spec: dict, out_path: str) -> None:
+    """Saves (universal, torch_dist in both optimizer formats), async stall, the disk baseline."""
     work, base = spec["work"], spec["model"]
     results = {}
     uni, td_dp, td_full = (os.path.join(work, n) for n in ("universal", "td_dp", "td_full"))
@@ -111,7 +111,46 @@ def main(spec_path: str, out_path: str) -> None:
         t, _ = timed(lambda: native.load(args, state, iteration_dir(td_dp, 1)))
         results["torch_dist_dp_reshardable_same_layout_load_s"] = t
     results["disk"] = disk_baseline(work, results["checkpoint_bytes"])
+    if dist.get_rank() == 0:
+        json.dump(results, open(out_path, "w"), indent=1)
+
+
+def state_bytes(state) -> int:
+    """Bytes of tensors this rank holds for training: weights, gradient buffers, optimizer state."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    for chunk in state.model:
+        for p in chunk.parameters():
+            add(p.data)
+        for buf in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
+            add(buf.grad_data)
+            add(buf.param_data)
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                add(p.data)
+        for st in opt.optimizer.state.values():
+            for v in st.values():
+                add(v)
+    return total
+
+
+def load_phase(spec: dict, out_path: str) -> None:
+    """The resharded loads, in processes of their own, so that peak RSS is the load's."""
+    import psutil
+
+    work, base = spec["work"], spec["model"]
+    uni, td_full = os.path.join(work, "universal"), os.path.join(work, "td_full")
+    results = json.load(open(out_path)) if os.environ.get("RANK", "0") == "0" else {}
     with loop.session(base + spec["dst"]) as (args, state):
+        rss_built = psutil.Process().memory_info().rss / 2**20
+        state_built = state_bytes(state) / 2**20  # no optimizer state yet: the load makes it
         counter = storage.ReadCounter()
         t, r = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
                                             vocab_size=args.vocab_size, counter=counter, verify=False))
@@ -119,6 +158,12 @@ def main(spec_path: str, out_path: str) -> None:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, counter.bytes)
         results["universal_load_bytes_read_per_rank"] = gathered
+        # Peak RSS of the first load (the process peak so far) against what the rank must hold.
+        memory = [None] * dist.get_world_size()
+        dist.all_gather_object(memory, {"rss_before_load_mib": rss_built, "peak_rss_load_mib": rss_mib(),
+                                        "state_before_load_mib": state_built,
+                                        "state_mib": state_bytes(state) / 2**20})
+        results["load_memory_per_rank"] = memory
         t, r = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
                                             vocab_size=args.vocab_size, verify=True))
         results["universal_resharded_load_verified_s"] = t
@@ -130,10 +175,11 @@ def main(spec_path: str, out_path: str) -> None:
         results["peak_rss_mib_per_rank"] = rss
     if dist.get_rank() == 0:
         json.dump(results, open(out_path, "w"), indent=1)
-        for folder in (uni, td_dp, td_full):
+        for folder in (uni, os.path.join(work, "td_dp"), td_full):
             shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    spec = json.load(open(sys.argv[1]))
+    (load_phase if spec.get("phase") == "load" else main)(spec, sys.argv[2])
