@@ -38,7 +38,7 @@ def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
     return tensor.detach().view(-1).numpy()
 
 
-def _read_range(root, entry, layout, t, state, start, stop, counter, out=None) -> np.ndarray:
+def _read_range(path, entry, layout, t, state, start, stop, counter, out=None) -> np.ndarray:
     """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
 
     Reads into `out` (stop - start fp32 elements) when given, else into a new array.
@@ -49,7 +49,6 @@ def _read_range(root, entry, layout, t, state, start, stop, counter, out=None) -
     if out is None or sum(r.numel for _, r in regions) != stop - start:
         out = np.zeros(stop - start, dtype=np.float32) if out is None else out
         out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
-    path = storage.safe_join(root, entry["file"])
     part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
     for local_start, region in regions:
         runs = region_runs(part_shapes[region.part], region)
@@ -167,8 +166,9 @@ def _load_tensors(root, m, tensors, counter) -> None:
         if t.name not in layouts:
             layouts[t.name] = mf.file_layout(entry)
         layout = layouts[t.name]
+        path = storage.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
         in_place = _host_view(t.param.data)
-        weight = _read_range(root, entry, layout, t, "param", 0, t.param.numel(), counter, in_place)
+        weight = _read_range(path, entry, layout, t, "param", 0, t.param.numel(), counter, in_place)
         with torch.no_grad():
             if in_place is None:
                 t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
@@ -179,7 +179,7 @@ def _load_tensors(root, m, tensors, counter) -> None:
                 for state in ("exp_avg", "exp_avg_sq"):
                     target = getattr(f, state)
                     in_place = _host_view(target)
-                    data = _read_range(root, entry, layout, t, state, f.start, f.stop, counter, in_place)
+                    data = _read_range(path, entry, layout, t, state, f.start, f.stop, counter, in_place)
                     if in_place is None:
                         target.copy_(torch.from_numpy(data).view(target.shape))
         t.apply_write_back()
