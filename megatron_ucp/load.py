@@ -46,8 +46,9 @@ def _read_range(path, entry, layout, t, state, start, stop, counter, out=None) -
     held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
                   entry["padding_rows"] if t.rule.kind == "vocab" else None)
     regions = fragment_regions(held, start, stop)
-    if out is None or sum(r.numel for _, r in regions) != stop - start:
-        out = np.zeros(stop - start, dtype=np.float32) if out is None else out
+    if out is None:
+        out = np.zeros(stop - start, dtype=np.float32)
+    elif sum(r.numel for _, r in regions) != stop - start:
         out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
     part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
     for local_start, region in regions:
