@@ -219,12 +219,12 @@ def _persistent_buffers(gpt):
                 yield f"{module_name}.{name}" if module_name else name, buf
 
 
-def _legacy_grouped(name, param, fragment, gated: bool, num_local: int) -> List["LocalTensor"]:
+def _legacy_grouped(name, which: str, param, fragment, gated: bool, num_local: int) -> List["LocalTensor"]:
     """Megatron's legacy GroupedMLP: `weight1` holds each local expert's fc1 as a contiguous,
     transposed [hidden, fc1 rows] block (`weight2`: fc2 as [fc2 columns, hidden]). Each expert
-    becomes a LocalTensor over a transposed copy, copied back after a load."""
-    m = re.match(r"^(.*\.mlp\.experts)\.weight([12])$", name)
-    prefix, which = m.group(1), m.group(2)
+    becomes a LocalTensor over a transposed copy, copied back after a load. `name` is the global
+    name of `weight<which>`."""
+    prefix = name[: -len(f".weight{which}")]
     if fragment is not None and (fragment.start, fragment.stop) != (0, param.numel()):
         raise LayoutError(
             f"{name}: the distributed optimizer cuts megatron's legacy grouped-GEMM expert weights "
@@ -283,9 +283,10 @@ def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = Fal
         for local_name, param in gpt.named_parameters():
             name = _global_name(gpt, local_name, vp_stage, pp_rank, pp, vpp)
             in_layer = _LAYER.match(local_name)
-            if in_layer and _LEGACY_GROUPED.match(in_layer.group(2)):
+            grouped = in_layer and _LEGACY_GROUPED.match(in_layer.group(2))
+            if grouped:
                 experts = gpt.decoder.layers[int(in_layer.group(1))].mlp.experts
-                out += _legacy_grouped(name, param, fragments.get(param), gated,
+                out += _legacy_grouped(name, grouped.group(1), param, fragments.get(param), gated,
                                        experts.num_local_experts)
                 continue
             rule = _rule_for(name, param, gated)

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from harness import BASE, assert_same_state, losses, max_loss_delta, ok, run_steps
+from harness import (
+    BASE,
+    assert_same_state,
+    losses,
+    max_loss_delta,
+    ok,
+    roundtrip_step,
+    run_steps,
+    train_step,
+)
 
 N, K = 10, 5
 TOL = 1e-3
@@ -34,18 +43,12 @@ def etp(n):
     return ["--expert-tensor-parallel-size", str(n)]
 
 
-def train(name, extra, save=None, interval=None, load=None, step=None):
-    argv = BASE + MOE8 + extra + ["--train-iters", str(N)]
-    if save:
-        argv += ["--save", save, "--save-interval", str(interval)]
-    if load:
-        argv += ["--load", load, "--ckpt-step", str(step), "--load-universal"]
-    return {"name": name, "op": "train", "argv": argv}
+def train(name, extra, **kw):
+    return train_step(name, MOE8 + extra, iters=N, **kw)
 
 
 def roundtrip(name, extra, load, save_to):
-    argv = BASE + MOE8 + extra + ["--train-iters", str(N), "--load", load, "--ckpt-step", str(K)]
-    return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to}
+    return roundtrip_step(name, MOE8 + extra, load, K, save_to, iters=N)
 
 
 # (source step, target step, source folder, roundtrip step, its folder)
@@ -168,4 +171,5 @@ def test_fragment_cutting_a_legacy_grouped_tensor_is_refused():
     half = Fragment(0, weight.numel() // 2, torch.zeros(128), torch.zeros(128), torch.zeros(128),
                     inner=None, key=weight, main_is_model=False)
     with pytest.raises(LayoutError, match=r"decoder\.layers\.3\.mlp\.experts\.weight1.*legacy grouped-GEMM"):
-        _legacy_grouped("decoder.layers.3.mlp.experts.weight1", weight, half, gated=True, num_local=2)
+        _legacy_grouped("decoder.layers.3.mlp.experts.weight1", "1", weight, half, gated=True,
+                        num_local=2)
