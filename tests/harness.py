@@ -20,6 +20,24 @@ BASE = [
 ]
 
 
+def train_step(name, extra, iters=10, save=None, interval=None, load=None, step=None, universal=True):
+    """A runner step that trains BASE + `extra` to `iters`, saving and/or resuming as asked."""
+    argv = BASE + extra + ["--train-iters", str(iters)]
+    if save:
+        argv += ["--save", save, "--save-interval", str(interval)]
+    if load:
+        argv += ["--load", load, "--ckpt-step", str(step)]
+        if universal:
+            argv += ["--load-universal"]
+    return {"name": name, "op": "train", "argv": argv}
+
+
+def roundtrip_step(name, extra, load, step, save_to, iters=10):
+    """A runner step that loads `load` at `step` on BASE + `extra` and saves it again to `save_to`."""
+    argv = BASE + extra + ["--train-iters", str(iters), "--load", load, "--ckpt-step", str(step)]
+    return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from harness import BASE, REPO, assert_same_state, losses, max_loss_delta, ok, run_steps
+from harness import (
+    BASE,
+    REPO,
+    assert_same_state,
+    losses,
+    max_loss_delta,
+    ok,
+    roundtrip_step,
+    run_steps,
+    train_step,
+)
 
 N, K = 10, 5  # train to N, resume from K
 TOL = 1e-4
@@ -30,20 +40,12 @@ LEGACY = ["--ckpt-format", "torch"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
 
 
-def train(name, extra, iters=N, save=None, interval=None, load=None, step=None, universal=True):
-    argv = BASE + extra + ["--train-iters", str(iters)]
-    if save:
-        argv += ["--save", save, "--save-interval", str(interval)]
-    if load:
-        argv += ["--load", load, "--ckpt-step", str(step)]
-        if universal:
-            argv += ["--load-universal"]
-    return {"name": name, "op": "train", "argv": argv}
+def train(name, extra, iters=N, **kw):
+    return train_step(name, extra, iters=iters, **kw)
 
 
 def roundtrip(name, extra, load, step, save_to):
-    argv = BASE + extra + ["--train-iters", str(N), "--load", load, "--ckpt-step", str(step)]
-    return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to}
+    return roundtrip_step(name, extra, load, step, save_to, iters=N)
 
 
 @pytest.fixture(scope="module")
