@@ -16,19 +16,14 @@ stored groups' sizes and every moment's shape) and the distributed optimizer's b
 import argparse
 import fnmatch
 import math
-import multiprocessing
 import os
 import re
-import shutil
-import time
-import uuid
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage
+from megatron_ucp import stream_write
 from megatron_ucp.errors import (
     ConfigError,
     FormatError,
@@ -114,28 +109,27 @@ def no_weight_decay(name: str, shape) -> bool:
     return len(shape) == 1 or fnmatch.fnmatch(name, "*.bias")
 
 
-def buffer_offsets(params, dp: int, bucket_size: int | None, pad_for_high_busbw: bool = False):
-    """Offsets of each parameter in the distributed optimizer's saved flat state of one buffer.
+def bucket_layout(params, dp: int, bucket_size: int | None, pad_for_high_busbw: bool = False):
+    """Where each parameter lies in the distributed optimizer's buckets of one buffer.
 
     params: [(name, numel, shared_embedding)] in the model's parameter order. Mirrors
     megatron-core 0.16's `_ParamAndGradBuffer` (distributed optimizer): parameters in reverse
     order, each start padded to 64 elements, bucket ends padded to lcm(dp, 128) (and 2^16 with
-    `pad_buckets_for_high_nccl_busbw`), the shared embedding in a bucket of its own; and its
-    `get_parameter_state_dp_zero`, which drops the bucket-end padding. Returns
-    ({name: (offset, numel)}, numel_unpadded).
+    `pad_buckets_for_high_nccl_busbw`), the shared embedding in a bucket of its own. Returns
+    ({name: (bucket, offset in the bucket, numel)}, [each bucket's numel without its end padding]).
     """
     divisor = math.lcm(dp, 128, 2**16) if pad_for_high_busbw else math.lcm(dp, 128)
 
     def pad(n, d):
         return -(-n // d) * d
 
-    index, unpadded = {}, []
+    index, buckets = {}, []
     bucket_start, start, in_bucket = 0, 0, 0
     end = 0
 
     def close(end_index):
         nonlocal bucket_start, in_bucket
-        unpadded.append((bucket_start, end_index - bucket_start))
+        buckets.append(end_index - bucket_start)
         bucket_start, in_bucket = pad(end_index, divisor), 0
         return bucket_start
 
@@ -144,7 +138,7 @@ def buffer_offsets(params, dp: int, bucket_size: int | None, pad_for_high_busbw:
         if shared and in_bucket:
             start = close(start)
         end = start + numel
-        index[name] = (start, numel, len(unpadded))
+        index[name] = (len(buckets), start - bucket_start, numel)
         in_bucket += 1
         if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
             start = close(end)
@@ -152,14 +146,16 @@ def buffer_offsets(params, dp: int, bucket_size: int | None, pad_for_high_busbw:
             start = end
     if in_bucket:
         close(end)
-    # World offsets: buckets concatenated without their end padding.
-    out, world_start, total = {}, [], 0
-    for _, b_numel in unpadded:
-        world_start.append(total)
-        total += b_numel
-    for name, (s, numel, bucket) in index.items():
-        out[name] = (world_start[bucket] + s - unpadded[bucket][0], numel)
-    return out, total
+    return index, buckets
+
+
+def buffer_offsets(params, dp: int, bucket_size: int | None, pad_for_high_busbw: bool = False):
+    """Offsets of each parameter in the distributed optimizer's saved flat state of one buffer
+    (megatron's `get_parameter_state_dp_zero`: the buckets concatenated without their end
+    padding). Returns ({name: (offset, numel)}, numel_unpadded)."""
+    index, buckets = bucket_layout(params, dp, bucket_size, pad_for_high_busbw)
+    starts = [sum(buckets[:b]) for b in range(len(buckets))]
+    return {name: (starts[b] + offset, numel) for name, (b, offset, numel) in index.items()}, sum(buckets)
 
 
 def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
@@ -527,69 +523,6 @@ def _state_parts(entry: Atomic, plan: Plan, sources: dict, state: str) -> dict:
     return parts
 
 
-class _CrcWriter:
-    """Sequential writes with block CRC-32s of the data section computed on the way."""
-
-    def __init__(self, f):
-        self.f, self.crcs, self.crc, self.filled = f, [], 0, 0
-
-    def write(self, array: np.ndarray) -> None:
-        raw = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        self.f.write(raw)
-        pos, block = 0, storage.BLOCK_BYTES
-        while pos < len(raw):
-            take = min(block - self.filled, len(raw) - pos)
-            self.crc = zlib.crc32(raw[pos:pos + take], self.crc)
-            self.filled += take
-            pos += take
-            if self.filled == block:
-                self.crcs.append(f"{self.crc:08x}")
-                self.crc, self.filled = 0, 0
-
-    def finish(self) -> list:
-        if self.filled:
-            self.crcs.append(f"{self.crc:08x}")
-        return self.crcs
-
-
-def write_atomic(path: str, layout: storage.TensorFileLayout, entry: Atomic, plan: Plan, states) -> list:
-    """Assemble and write one atomic tensor, one state at a time (the small vocabulary-padding
-    parts are kept for the end of the file); returns the block checksums."""
-    sources = {id(s): _local_states(s, plan, states) for s in entry.sources}
-    padding = {}
-    with open(path, "wb") as f:
-        f.write(layout.header)
-        out = _CrcWriter(f)
-        for state in states:
-            parts = _state_parts(entry, plan, sources, state)
-            out.write(parts.pop(""))
-            if PADDING in parts:
-                padding[state] = parts[PADDING]
-            del parts
-        for state in states:
-            if state in padding:
-                out.write(padding.pop(state))
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.getsize(path) != layout.file_size:
-        raise FormatError(f"{path}: wrote {os.path.getsize(path)} bytes, its layout needs {layout.file_size}")
-    return out.finish()
-
-
-_PLAN = None  # set in the parent before the pool forks; workers read it
-
-
-def _convert_one(args):
-    name, tmp, states = args
-    entry = _PLAN.atomics[name]
-    meta = {"file": mf.tensor_file(name), "shape": list(entry.shape), "dtype": "F32",
-            "rule": entry.rule.to_json(), "padding_rows": entry.padding_rows, "states": list(states)}
-    layout = mf.file_layout(meta)
-    crcs = write_atomic(os.path.join(tmp, meta["file"]), layout, entry, _PLAN, states)
-    meta.update(file_size=layout.file_size, block_bytes=storage.BLOCK_BYTES, checksums=crcs)
-    return name, meta
-
-
 def _architecture(a: dict, vocab: int) -> dict:
     heads = int(a["num_attention_heads"])
     hidden = int(a["hidden_size"])
@@ -612,62 +545,24 @@ def _architecture(a: dict, vocab: int) -> dict:
 def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, workers: int = 1,
             progress: bool = True) -> dict:
     """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
-    global _PLAN
-    from tqdm import tqdm
-
-    from megatron_ucp.train.checkpointing import iteration_dir, write_tracker
-
-    start = time.perf_counter()
     plan = plan_conversion(iter_dir, overrides)
-    states = mf.STATES
-    os.makedirs(output_dir, exist_ok=True)
-    tmp = os.path.join(output_dir, f".tmp_iter_{plan.iteration:07d}_{uuid.uuid4().hex[:8]}")
-    os.makedirs(os.path.join(tmp, "tensors"))
-    os.makedirs(os.path.join(tmp, "rng"))
-    # Largest first: the pool's tail is short, and memory peaks early where it shows.
-    names = sorted(plan.atomics, key=lambda n: -math.prod(plan.atomics[n].shape))
-    total_bytes = sum(mf.file_layout({"shape": list(plan.atomics[n].shape), "states": list(states),
-                                      "padding_rows": plan.atomics[n].padding_rows}).file_size for n in names)
-    entries = {}
-    _PLAN = plan
+    metas = {n: stream_write.tensor_meta(n, e.shape, e.rule, e.padding_rows, mf.STATES)
+             for n, e in plan.atomics.items()}
+
+    def opener(name):
+        entry = plan.atomics[name]
+        sources = {id(s): _local_states(s, plan, mf.STATES) for s in entry.sources}
+        return lambda state: _state_parts(entry, plan, sources, state)
+
     try:
-        jobs = [(n, tmp, states) for n in names]
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
-        if workers > 1:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
-                for name, meta in pool.imap_unordered(_convert_one, jobs):
-                    entries[name] = meta
-                    bar.update(meta["file_size"])
-        else:
-            for job in jobs:
-                name, meta = _convert_one(job)
-                entries[name] = meta
-                bar.update(meta["file_size"])
-        bar.close()
-        for rank, s in plan.rng.items():
-            storage.atomic_write_json(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), s)
-        manifest = _manifest(plan, entries)
-        storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
-        storage.fsync_dir(os.path.join(tmp, "tensors"))
-        final = iteration_dir(output_dir, plan.iteration)
-        if os.path.exists(final):
-            raise ConfigError(f"{final} exists already; choose another --output")
-        os.rename(tmp, final)
-        storage.fsync_dir(output_dir)
-        write_tracker(output_dir, plan.iteration)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return stream_write.write_checkpoint(output_dir, plan.iteration, metas, opener, _manifest(plan, metas),
+                                             plan.rng, workers, progress)
     finally:
-        _PLAN = None
         _LOADED.clear()
-    seconds = time.perf_counter() - start
-    nbytes = sum(e["file_size"] for e in entries.values())
-    return {"iteration": plan.iteration, "output": final, "tensors": len(entries), "bytes": nbytes,
-            "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
 
 
 def _manifest(plan: Plan, entries: dict) -> dict:
+    """Everything in the manifest but the tensors' entries."""
     a = plan.args
     vocab = int(a["vocab_size"])
     layout = {
@@ -684,5 +579,5 @@ def _manifest(plan: Plan, entries: dict) -> dict:
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": plan.iteration,
         "consumed_samples": plan.consumed, "architecture": _architecture(a, vocab), "layout": layout,
         "optimizer": {"type": "adam", "step": plan.step, "param_groups": plan.param_groups},
-        "scheduler": plan.scheduler, "args": mf.jsonable(a), "tensors": dict(sorted(entries.items())),
+        "scheduler": plan.scheduler, "args": mf.jsonable(a),
     }
