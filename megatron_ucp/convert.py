@@ -1,13 +1,13 @@
 """Convert a megatron-core `torch_dist` or Megatron-LM legacy `torch` checkpoint into a universal one.
 
-Legacy per-rank `torch` checkpoints (`mp_rank_*` folders) are converted in this process, one
-atomic tensor at a time (`megatron_ucp/legacy_convert.py`). For `torch_dist`:
+Both are streamed one atomic tensor at a time in this process, with no GPU, no process group
+and no process of the source layout: legacy per-rank `torch` checkpoints (`mp_rank_*` folders)
+by megatron_ucp/legacy_convert.py, `torch_dist` ones by megatron_ucp/dist_convert.py.
 
-Megatron's own loader is the reader: the conversion starts CPU processes in the checkpoint's
-layout (from the arguments the checkpoint stores, overridable by flags), loads it natively,
-which works for every optimizer sharding megatron-core writes (`dp_reshardable`,
-`fully_reshardable`, none), and saves universally. No GPU and no training job is needed. The
-cost: the whole state is held once, spread over those processes (not streamed tensor by tensor).
+`--via-megatron` (torch_dist only) takes the other road: it starts CPU processes in the
+checkpoint's layout, loads it with megatron's own loader and saves universally. It reads every
+optimizer sharding megatron-core writes, at the cost of holding the whole state once, spread
+over those processes; the streaming converter names this flag where it refuses a checkpoint.
 
     python -m megatron_ucp.convert --input SAVE_DIR --output OUT [--iteration N] [-- FLAGS...]
 """
@@ -89,7 +89,7 @@ def _resolve(input_dir: str, iteration):
 
 
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
-            progress=True) -> dict:
+            progress=True, via_megatron=False) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
     from megatron_ucp.legacy_convert import is_legacy
     from megatron_ucp.train.checkpointing import iteration_dir
@@ -100,6 +100,10 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
 
         return legacy_convert.convert(iteration_dir(root, it), output_dir, legacy_overrides(extra_argv),
                                       workers=workers, progress=progress)
+    if not via_megatron:
+        from megatron_ucp import dist_convert
+
+        return dist_convert.convert(iteration_dir(root, it), output_dir, extra_argv, nproc, workers, progress)
     args = stored_args(iteration_dir(root, it))
     argv = argv_from_args(args) + list(extra_argv)
     if not args and not extra_argv:
@@ -153,8 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True, help="where the universal checkpoint goes")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--nproc", type=int, default=None, help="default: the checkpoint's world size")
-    p.add_argument("--workers", type=int, default=1,
-                   help="legacy torch: convert this many atomic tensors in parallel processes")
+    p.add_argument("--workers", type=int, default=1, help="convert this many atomic tensors in parallel processes")
+    p.add_argument("--via-megatron", action="store_true",
+                   help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(own)
@@ -163,7 +168,8 @@ def main(argv=None) -> int:
         return 0
     if a.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
-    summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress)
+    summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress,
+                      a.via_megatron)
     print(f"converted {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
           f"{summary['seconds']:.1f} s ({summary['GB/s']:.3f} GB/s) into {summary['output']}")
     return 0

@@ -97,12 +97,11 @@ def w4n(work):
         train("n_tp2pp2", TP2PP2 + DIST + ["--ckpt-format", "torch_dist"], save=d("N"), interval=K),
         train("n_resume", TP2PP2 + DIST + ["--ckpt-format", "torch_dist"], load=d("N"), step=K,
               universal=False),
-        # Both other torch_dist optimizer formats, and no distributed optimizer, converted in-group.
+        # Both other torch_dist optimizer formats and more models, converted by streaming (below).
         train("n_full", TP2PP2 + DIST + ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-format",
                                          "fully_reshardable"], save=d("NF"), interval=K),
-        {"name": "c_full", "op": "convert", "output": d("CF"),
-         "argv": BASE + TP2PP2 + DIST + ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-format",
-                                         "fully_reshardable", "--load", d("NF"), "--ckpt-step", str(K)]},
+        train("n_vpp", VPP + DIST + ["--ckpt-format", "torch_dist"], save=d("NV"), interval=K),
+        train("n_g", GQA + DIST + ["--ckpt-format", "torch_dist"], save=d("NG"), interval=3),
         # Megatron-LM's legacy per-rank torch format: distributed optimizer (TP2xPP2, and PP2 with
         # virtual stages) and plain optimizer; same-layout resume; converted in the test process.
         train("l_tp2pp2", TP2PP2 + DIST + LEGACY, save=d("L"), interval=K),
@@ -111,8 +110,6 @@ def w4n(work):
         train("l_vpp", VPP + DIST + LEGACY, save=d("LV"), interval=K),
         train("l_g", GQA + DIST + LEGACY, save=d("LG"), interval=3),  # DP4, SwiGLU, untied
         train("n_nodist", TP2PP2 + ["--ckpt-format", "torch_dist"], save=d("NND"), interval=K),
-        {"name": "c_nodist", "op": "convert", "output": d("CND"),
-         "argv": BASE + TP2PP2 + ["--ckpt-format", "torch_dist", "--load", d("NND"), "--ckpt-step", str(K)]},
     ]
     return run_steps(4, steps, work / "w4n")
 
@@ -130,6 +127,21 @@ def converted(work, w4n):
 
 
 @pytest.fixture(scope="module")
+def dist_converted(work, w4n):
+    """The other torch_dist checkpoints converted by streaming in this process (no megatron
+    processes): fully_reshardable, no distributed optimizer, virtual stages (dp_reshardable over
+    DP2), GQA+SwiGLU+untied (dp_reshardable over DP4)."""
+    from megatron_ucp.convert import convert
+
+    out = {}
+    for step, src, workers, it in (("n_full", "NF", 1, K), ("n_nodist", "NND", 2, K), ("n_vpp", "NV", 1, K),
+                                   ("n_g", "NG", 2, 3)):
+        ok(w4n, step)
+        out[src] = convert(str(work / src), str(work / f"C{src}"), iteration=it, workers=workers, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
 def legacy_converted(work, w4n):
     """The legacy checkpoints converted in this process (no megatron processes), timed."""
     from megatron_ucp.convert import convert
@@ -144,7 +156,7 @@ def legacy_converted(work, w4n):
 
 
 @pytest.fixture(scope="module")
-def w2(work, w4, converted, legacy_converted):
+def w2(work, w4, converted, dist_converted, legacy_converted):
     d = lambda name: str(work / name)  # noqa: E731
     ok(w4, "a_dp4")
     steps = [
@@ -179,6 +191,14 @@ def w2(work, w4, converted, legacy_converted):
         train("m_ep2_native_resume", MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format",
                                                    "torch_dist"], load=d("MN"), step=K, universal=False),
         train("m_ep1", MOE + DIST, load=d("M"), step=K),
+        # The same MoE run in torch_dist: fully_reshardable (streamed below), and the default
+        # dp_reshardable through megatron's loader (--via-megatron), in-group.
+        train("m_ep2_full", MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist",
+                                          "--dist-ckpt-optim-format", "fully_reshardable"], save=d("MF"),
+              interval=K),
+        {"name": "c_moe_via_megatron", "op": "convert", "output": d("CMN"),
+         "argv": BASE + MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist",
+                                      "--load", d("MN"), "--ckpt-step", str(K)]},
     ]
     return run_steps(2, steps, work / "w2")
 
@@ -256,13 +276,37 @@ def test_state_after_resharded_load_is_bitwise_equal_two_processes(w2, work, sou
     assert_same_state(work / source, work / result)
 
 
-def test_converted_torch_dist_equals_a_direct_universal_save(w4, w4n, work, converted):
+@pytest.mark.parametrize("direct,converted_dir", [
+    ("A/iter_0000005", "CN/iter_0000005"),  # TP2xPP2 dp_reshardable (tools/convert_to_universal.py)
+    ("A/iter_0000005", "CNF/iter_0000005"),  # fully_reshardable
+    ("AND/iter_0000005", "CNND/iter_0000005"),  # no distributed optimizer
+    ("C/iter_0000005", "CNV/iter_0000005"),  # virtual stages, dp_reshardable over DP2
+    ("G1/iter_0000003", "CNG/iter_0000003"),  # GQA, SwiGLU, untied, dp_reshardable over DP4
+])
+def test_converted_torch_dist_equals_a_direct_universal_save(w4, w4n, work, converted, dist_converted, direct,
+                                                             converted_dir):
     assert "converted" in converted and "GB/s" in converted  # the summary line
-    assert_same_state(work / "A" / "iter_0000005", work / "CN" / "iter_0000005")  # dp_reshardable
-    ok(w4n, "c_full")
-    assert_same_state(work / "A" / "iter_0000005", work / "CF" / "iter_0000005")  # fully_reshardable
-    ok(w4n, "c_nodist")
-    assert_same_state(work / "AND" / "iter_0000005", work / "CND" / "iter_0000005")  # no dist-opt
+    assert_same_state(work / direct, work / converted_dir)
+    with open(work / direct / "ucp.json") as f, open(work / converted_dir / "ucp.json") as g:
+        a, b = json.load(f), json.load(g)
+    for key in ("iteration", "consumed_samples", "architecture", "layout", "optimizer", "scheduler", "tensors"):
+        assert a[key] == b[key], key
+    assert sorted(os.listdir(work / direct / "rng")) == sorted(os.listdir(work / converted_dir / "rng"))
+
+
+def test_converted_moe_torch_dist_equals_a_direct_universal_save(w2, work):
+    """EP2 experts: streamed from fully_reshardable, and through megatron from dp_reshardable,
+    which the streaming converter refuses by name."""
+    from megatron_ucp.convert import convert
+    from megatron_ucp.errors import LayoutError
+
+    ok(w2, "m_ep2_full")
+    convert(str(work / "MF"), str(work / "CMF"), iteration=K, progress=False)
+    assert_same_state(work / "M" / "iter_0000005", work / "CMF" / "iter_0000005")
+    ok(w2, "c_moe_via_megatron")
+    assert_same_state(work / "M" / "iter_0000005", work / "CMN" / "iter_0000005")
+    with pytest.raises(LayoutError, match="--via-megatron"):
+        convert(str(work / "MN"), str(work / "CMN2"), iteration=K, progress=False)
 
 
 def test_converted_checkpoint_resumes_on_another_layout(w4, w2):
@@ -358,3 +402,27 @@ def test_legacy_conversion_names_what_is_missing(w4, w4n, work):
                            str(no_vocab), "--output", str(work / "C_cli")],
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 2 and "error:" in proc.stderr and "--vocab-size" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_torch_dist_conversion_refuses_bad_input_and_leaves_nothing_behind(w4n, work, converted, tmp_path):
+    """A missing data file, arguments of another model, an existing output: a clear error that
+    names the file or key, and no checkpoint, temporary folder or tracker left in the output."""
+    import shutil
+
+    from megatron_ucp.convert import convert
+    from megatron_ucp.errors import ConfigError, IncompleteCheckpointError, LayoutError
+
+    src = tmp_path / "N"
+    shutil.copytree(work / "N" / "iter_0000005", src / "iter_0000005")
+    (src / "latest_checkpointed_iteration.txt").write_text("5\n")
+    with pytest.raises(LayoutError, match=r"word_embeddings\.weight' has shape \[256, 32\], the model built from "
+                                          "the stored arguments"):
+        convert(str(src), str(tmp_path / "out1"), extra_argv=["--hidden-size", "64"], progress=False)
+    victim = sorted(f for f in os.listdir(src / "iter_0000005") if f.endswith(".distcp"))[-1]
+    os.remove(src / "iter_0000005" / victim)
+    with pytest.raises(IncompleteCheckpointError, match=victim):
+        convert(str(src), str(tmp_path / "out2"), progress=False)
+    assert not (tmp_path / "out2").exists() or os.listdir(tmp_path / "out2") == []
+    with pytest.raises(ConfigError, match="exists already"):
+        convert(str(work / "N"), str(work / "CN"), iteration=K, progress=False)
+    assert sorted(os.listdir(work / "CN")) == ["iter_0000005", "latest_checkpointed_iteration.txt"]

@@ -1,0 +1,625 @@
+"""Convert a megatron-core `torch_dist` checkpoint into a universal one, streaming.
+
+No GPU and no process of the source layout: one process reads the checkpoint's DCP metadata
+and, for each atomic tensor, only the chunks that hold it (`DcpReader.read_box`), assembles one
+state at a time and writes it once (megatron_ucp/stream_write.py). Memory holds a few atomic
+tensors, never the checkpoint.
+
+What maps a checkpoint key to an atomic tensor is megatron itself: the model is built from the
+checkpoint's stored arguments on the meta device (no memory), in a single-process layout
+(TP = PP = EP = 1), where every parameter is whole. Its `sharded_state_dict()` gives each
+parameter's checkpoint key and global offset (stacked layers, experts, SwiGLU halves), and
+model_map gives the atomic name and layout rule, the same ones a direct universal save uses.
+
+Optimizer state, by megatron-core's distributed-optimizer sharding:
+- none (plain optimizer) and `fully_reshardable`: `optimizer.state.<state>.<model key>`, in the
+  model's coordinates, read like the weights;
+- `dp_reshardable` (megatron's default): one flat tensor per (model-parallel rank, buffer,
+  bucket). Where each parameter lies is megatron's buffer layout, derived here by a pure function
+  (legacy_convert.bucket_layout) and checked against what the checkpoint records: every bucket's
+  size and every parameter's boundaries among the bucket's saved chunks.
+"""
+
+import contextlib
+import copy
+import io
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from megatron_ucp import manifest as mf
+from megatron_ucp import stream_write
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
+from megatron_ucp.layout import PADDING, Rule, layer_offset, local_shape, pieces
+
+DIST_PREFIX = "optimizer.distributed.dp_group_idx_"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+
+
+# ---------------------------------------------------------------- reading DCP files
+
+
+class DcpReader:
+    """Boxes of a torch DCP checkpoint's global tensors, read chunk by chunk (`pread`, no
+    process group). Each chunk is a `torch.save` blob at a recorded offset of a `.distcp` file."""
+
+    def __init__(self, iter_dir: str):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.dir = iter_dir
+        path = os.path.join(iter_dir, ".metadata")
+        if not os.path.exists(path):
+            raise IncompleteCheckpointError(f"{path}: missing; is {iter_dir} a torch_dist checkpoint?")
+        try:
+            self.meta = FileSystemReader(iter_dir).read_metadata()
+        except Exception as e:
+            raise FormatError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+        self._fds: Dict[str, int] = {}
+
+    def keys(self):
+        return self.meta.state_dict_metadata.keys()
+
+    def tensor(self, fqn: str):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        md = self.meta.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise FormatError(f"{self.dir}: the checkpoint has no tensor {fqn!r}")
+        return md
+
+    def has_tensor(self, fqn: str) -> bool:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        return isinstance(self.meta.state_dict_metadata.get(fqn), TensorStorageMetadata)
+
+    def shape(self, fqn: str) -> tuple:
+        return tuple(self.tensor(fqn).size)
+
+    def chunk_bounds(self, fqn: str) -> set:
+        """Start and end of every saved chunk of a 1-D tensor."""
+        out = set()
+        for c in self.tensor(fqn).chunks:
+            out.update((c.offsets[0], c.offsets[0] + c.sizes[0]))
+        return out
+
+    def _raw(self, fqn: str, index) -> bytes:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.meta.storage_data.get(MetadataIndex(fqn, index))
+        if info is None:
+            raise IncompleteCheckpointError(f"{self.dir}: no storage recorded for {fqn!r} at {index}")
+        if info.transform_descriptors:
+            raise FormatError(f"{self.dir}: {fqn!r} is stored with transforms {info.transform_descriptors}; "
+                              "not supported")
+        path = os.path.join(self.dir, info.relative_path)
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(f"{path}: missing (it holds {fqn!r})") from None
+        raw = os.pread(fd, info.length, info.offset)
+        if len(raw) != info.length:
+            raise IncompleteCheckpointError(f"{path}: truncated, {fqn!r} needs bytes {info.offset}.."
+                                            f"{info.offset + info.length}")
+        return raw
+
+    def _load(self, raw: bytes, where: str):
+        import torch
+
+        try:
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise FormatError(f"{where}: cannot be read safely (weights_only): {e}") from None
+
+    def read_object(self, fqn: str):
+        return self._load(self._raw(fqn, None), f"{self.dir}: {fqn!r}")
+
+    def read_box(self, fqn: str, offsets, sizes) -> np.ndarray:
+        """The fp32 box [offsets, offsets + sizes) of global tensor `fqn`."""
+        import torch
+
+        md = self.tensor(fqn)
+        if any(o < 0 or o + n > g for o, n, g in zip(offsets, sizes, md.size)) or len(offsets) != len(md.size):
+            raise FormatError(f"{self.dir}: {fqn!r} has shape {list(md.size)}, the model needs the box at "
+                              f"{list(offsets)} of size {list(sizes)}")
+        out = np.empty(tuple(sizes), dtype=np.float32)
+        covered = 0
+        for c in md.chunks:
+            lo = [max(a, b) for a, b in zip(c.offsets, offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(c.offsets, c.sizes, offsets, sizes)]
+            if any(x >= y for x, y in zip(lo, hi)):
+                continue
+            t = self._load(self._raw(fqn, c.offsets), f"{self.dir}: {fqn!r} chunk at {list(c.offsets)}")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(c.sizes):
+                raise FormatError(f"{self.dir}: {fqn!r} chunk at {list(c.offsets)} is not a tensor of "
+                                  f"shape {list(c.sizes)}")
+            if t.dtype != torch.float32:
+                raise FormatError(f"{self.dir}: {fqn!r} is {t.dtype}; the converter reads fp32 state (an "
+                                  "fp32 master copy, where the optimizer keeps one)")
+            src = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, c.offsets))
+            dst = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, offsets))
+            out[dst] = t.numpy()[src]
+            covered += math.prod(y - x for x, y in zip(lo, hi))
+            del t
+        if covered != math.prod(sizes):
+            raise IncompleteCheckpointError(f"{self.dir}: {fqn!r}: the saved chunks cover {covered} of the "
+                                            f"{math.prod(sizes)} elements at {list(offsets)} size {list(sizes)}")
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _unwrap(obj):
+    """megatron's sharded objects come back inside a one-element list."""
+    while isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], (list, dict)):
+        obj = obj[0]
+    return obj
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class Box:
+    """A piece of the whole (TP = 1) parameter: checkpoint key, global box, flat destination."""
+
+    key: str
+    offsets: tuple
+    sizes: tuple
+    dest: int
+    numel: int
+
+
+@dataclass
+class FlatSource:
+    """One source rank's TP-local parameter inside a `dp_reshardable` bucket tensor."""
+
+    bucket: str  # the bucket's key without the state suffix
+    offset: int
+    numel: int
+    tp_rank: int
+
+
+@dataclass
+class Atomic:
+    name: str
+    rule: Rule
+    shape: tuple
+    padded_rows: Optional[int]  # vocabulary rows with padding (vocab rule), else None
+    states: tuple
+    buffer: bool
+    boxes: List[Box] = field(default_factory=list)
+    flat: List[FlatSource] = field(default_factory=list)
+    prefixes: Dict[str, str] = field(default_factory=dict)  # model space: state -> key prefix
+
+    @property
+    def padding_rows(self) -> int:
+        return (self.padded_rows - self.shape[0]) if self.padded_rows else 0
+
+
+@dataclass
+class Plan:
+    iteration: int
+    sharding: str  # 'none', 'fully_reshardable' or 'dp_reshardable'
+    tp: int
+    atomics: Dict[str, Atomic]
+    head: dict  # the manifest without its tensors
+    rng: Dict[int, dict]
+
+
+def _source_args(iter_dir: str, common: dict, extra_argv, nproc):
+    """The source run's arguments (stored args, overridden by flags), validated for its world."""
+    from megatron_ucp.convert import argv_from_args
+    from megatron_ucp.train.args import build_parser, validate
+
+    stored = dict(common.get("args") or {})
+    if not stored and not extra_argv:
+        raise ConfigError(f"{iter_dir}: stores no training arguments; pass the model and layout flags after "
+                          "'--' (e.g. --num-layers ... --tensor-model-parallel-size ...)")
+    world = nproc or int(stored.get("world_size") or 0)
+    if world < 1:
+        raise ConfigError(f"{iter_dir}: the checkpoint does not store its world size: pass --nproc")
+    argv = argv_from_args(stored) + list(extra_argv) + ["--cpu"]
+    source = build_parser().parse_args(argv)
+    validate(source, world)
+    return stored, source, world
+
+
+@contextlib.contextmanager
+def _single_process_megatron():
+    """megatron's parallel state for one process (TP = PP = EP = 1), torn down afterwards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ucp import compat, cpu_mode
+
+    if dist.is_initialized():
+        raise ConfigError("the torch_dist converter runs outside a torch.distributed job")
+    cpu_mode.enable()
+    compat.apply()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _meta_model(source, padded_vocab: int):
+    """The whole model (one stage, no parallelism) on the meta device: names, shapes, keys."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ucp.train import model as model_lib
+
+    a = copy.copy(source)
+    a.tensor_model_parallel_size = a.pipeline_model_parallel_size = 1
+    a.expert_model_parallel_size, a.expert_tensor_parallel_size = 1, 1
+    a.virtual_pipeline_model_parallel_size = None
+    a.sequence_parallel = False
+    config = model_lib.transformer_config(a)
+    with torch.device("meta"):
+        return GPTModel(
+            config=config, transformer_layer_spec=model_lib.layer_spec(a, config, None), vocab_size=padded_vocab,
+            max_sequence_length=a.max_position_embeddings, pre_process=True, post_process=True,
+            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+            position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base)
+
+
+def _sharded_by_tensor(gpt) -> dict:
+    """id(parameter or buffer) -> megatron's ShardedTensors of it (factories built)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out: dict = {}
+    for v in nested_values(gpt.sharded_state_dict()):
+        if isinstance(v, ShardedTensorFactory):
+            out.setdefault(id(v.data), []).extend(
+                t for t in nested_values(v.build()) if isinstance(t, ShardedTensor))
+        elif isinstance(v, ShardedTensor):
+            out.setdefault(id(v.data), []).append(v)
+    return out
+
+
+def _boxes(name: str, tensor, sharded, reader: DcpReader) -> List[Box]:
+    """Where each part of a whole parameter lies in the checkpoint, checked against its metadata."""
+    if not sharded:
+        raise FormatError(f"{name}: megatron gives no checkpoint key for it")
+    boxes, total = [], 0
+    for st in sharded:
+        if getattr(st, "flattened_range", None) is not None or not st.data.is_contiguous():
+            raise LayoutError(f"{name}: checkpoint key {st.key!r} maps a non-contiguous part; not supported")
+        sizes = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+        if not reader.has_tensor(st.key):
+            raise IncompleteCheckpointError(f"{reader.dir}: no tensor {st.key!r} (for {name})")
+        if reader.shape(st.key) != tuple(st.global_shape):
+            raise LayoutError(f"{reader.dir}: {st.key!r} has shape {list(reader.shape(st.key))}, the model built "
+                              f"from the stored arguments has {list(st.global_shape)}")
+        dest = st.data.storage_offset() - tensor.storage_offset()
+        boxes.append(Box(st.key, tuple(st.global_offset), sizes, dest, st.data.numel()))
+        total += st.data.numel()
+    if total != tensor.numel():
+        raise LayoutError(f"{name}: checkpoint keys cover {total} of its {tensor.numel()} elements")
+    return boxes
+
+
+def _optimizer_parts(common: dict) -> list:
+    """The common part of each optimizer: one, or one per chained optimizer (MoE: dense, experts)."""
+    opt = common.get("optimizer")
+    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
+        return [opt[k] for k in sorted(opt)]
+    return [opt] if isinstance(opt, dict) else []
+
+
+_STATE_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.state\.exp_avg\.")
+
+
+def _sharding(common: dict, reader: DcpReader) -> str:
+    kinds = {p.get("param_state_sharding_type") for p in _optimizer_parts(common)} - {None}
+    if any(DIST_PREFIX in k for k in reader.keys()):
+        if any(k.startswith("chained_") for k in reader.keys()):
+            raise LayoutError(f"{reader.dir}: chained (MoE) dp_reshardable optimizer state is not streamed (experts "
+                              "have buffers of their own); convert with --via-megatron")
+        if kinds - {"dp_reshardable"} or not any(".gbuf_idx_" in k for k in reader.keys()):
+            raise FormatError(f"{reader.dir}: distributed-optimizer sharding {sorted(kinds)} is not streamed; "
+                              "convert with --via-megatron")
+        return "dp_reshardable"
+    if any(_STATE_KEY.match(k) for k in reader.keys()):
+        return "fully_reshardable" if "fully_reshardable" in kinds else "none"
+    raise FormatError(f"{reader.dir}: no optimizer state (optimizer.state.* or {DIST_PREFIX}*); "
+                      "a model-only checkpoint cannot resume training")
+
+
+def _state_prefix(reader: DcpReader, key: str, name: str) -> str:
+    """'optimizer.state.' or 'chained_<i>.optimizer.state.': the optimizer that holds `key`."""
+    found = [m.group(0)[:-len("exp_avg.")] for k in reader.keys()
+             if (m := _STATE_KEY.match(k)) and k[m.end():] == key]
+    if len(found) != 1:
+        raise IncompleteCheckpointError(f"{reader.dir}: {len(found)} optimizer states for {key!r} ({name}), one "
+                                        "expected")
+    return found[0]
+
+
+def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[dict] = None) -> Plan:
+    """Map every atomic tensor to the checkpoint's chunks; reads metadata and small objects only."""
+    import torch
+
+    from megatron_ucp.model_map import local_tensors
+
+    if common is None:
+        path = os.path.join(iter_dir, "common.pt")
+        try:
+            common = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{path}: missing; is {iter_dir} a torch_dist checkpoint?") from None
+        except Exception as e:
+            raise FormatError(f"{path}: cannot be read safely (weights_only): {e}") from None
+    reader = DcpReader(iter_dir)
+    stored, source, world = _source_args(iter_dir, common, extra_argv, nproc)
+    sharding = _sharding(common, reader)
+    padded = reader.shape(EMBEDDING)[0] if reader.has_tensor(EMBEDDING) else source.padded_vocab_size
+    if padded < source.vocab_size:
+        raise LayoutError(f"{reader.dir}: {EMBEDDING} has {padded} rows, fewer than --vocab-size {source.vocab_size}")
+    with _single_process_megatron():
+        gpt = _meta_model(source, padded)
+        sharded = _sharded_by_tensor(gpt)
+        tensors = local_tensors([gpt], None, source.vocab_size)
+        architecture = mf.architecture(gpt, source.vocab_size)
+    atomics = {}
+    for t in tensors:
+        if not t.writes:
+            continue
+        if t.write_back:
+            raise LayoutError(f"{t.name}: legacy grouped-GEMM experts are not streamed; convert with --via-megatron")
+        states = ("param",) if t.stateless else mf.STATES
+        padded_rows = t.padded_rows if t.rule.kind == "vocab" else None
+        entry = Atomic(t.name, t.rule, tuple(t.atomic_shape), padded_rows, states, t.stateless,
+                       _boxes(t.name, t.param, sharded.get(id(t.param)), reader))
+        if sharding != "dp_reshardable" and not t.stateless:
+            entry.prefixes = _model_space_prefixes(reader, entry)
+        atomics[t.name] = entry
+    _check_all_keys_used(reader, atomics)
+    if sharding == "dp_reshardable":
+        _map_buckets(reader, source, world, tensors, atomics, stored)
+    step, groups = _step_and_groups(common, reader, sharding)
+    rng = _rng_states(reader, world)
+    layout = {
+        "world_size": world if rng else None, "tensor_model_parallel_size": source.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": source.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": source.virtual_pipeline_model_parallel_size,
+        "data_parallel_size": source.data_parallel_size,
+        "expert_model_parallel_size": source.expert_model_parallel_size,
+        "expert_tensor_parallel_size": source.expert_tensor_parallel_size or source.tensor_model_parallel_size,
+        "use_distributed_optimizer": bool(source.use_distributed_optimizer), "padded_vocab_size": padded,
+    }
+    head = {
+        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": int(common["iteration"]),
+        "consumed_samples": int(common.get("consumed_samples") or 0), "architecture": architecture,
+        "layout": layout, "optimizer": {"type": "adam", "step": step, "param_groups": groups},
+        "scheduler": common.get("opt_param_scheduler"), "args": mf.jsonable(stored),
+    }
+    reader.close()
+    return Plan(int(common["iteration"]), sharding, source.tensor_model_parallel_size, atomics, head, rng)
+
+
+def _model_space_prefixes(reader: DcpReader, entry: "Atomic") -> dict:
+    """state -> key prefix, for optimizer state kept in the model's coordinates. The weights come
+    from the optimizer's fp32 copy where it keeps one ('param', 'fp32_param'), else the model."""
+    key = entry.boxes[0].key
+    opt = _state_prefix(reader, key, entry.name)
+    param = ""
+    for candidate in (opt + "param.", opt + "fp32_param."):
+        if reader.has_tensor(candidate + key):
+            param = candidate
+            break
+    return {"param": param, "exp_avg": opt + "exp_avg.", "exp_avg_sq": opt + "exp_avg_sq."}
+
+
+def _check_all_keys_used(reader: DcpReader, atomics: dict) -> None:
+    """Every model tensor of the checkpoint belongs to some atomic tensor (else the stored
+    arguments describe another model)."""
+    used = {b.key for a in atomics.values() for b in a.boxes}
+    model_keys = {k for k in reader.keys()
+                  if reader.has_tensor(k) and not k.startswith("optimizer.") and not k.startswith("chained_")}
+    unknown = sorted(model_keys - used)
+    if unknown:
+        raise LayoutError(f"{reader.dir}: tensors the model built from the stored arguments does not have: "
+                          f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+
+
+def _stage_members(name: str, num_layers: int, pp: int, pp_rank: int, vpp, c: int) -> bool:
+    chunks = vpp or 1
+    m = _LAYER.match(name)
+    if m:
+        first = layer_offset(num_layers, pp, pp_rank, vpp, c if vpp else None)
+        return first <= int(m.group(1)) < first + num_layers // (pp * chunks)
+    pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == chunks - 1
+    if name.startswith("embedding."):
+        return pre
+    if name.startswith("decoder.final_") or name == OUTPUT:
+        return post
+    raise LayoutError(f"{name}: cannot tell which pipeline stage holds it")
+
+
+def _bucket_key(reader: DcpReader, group: int, gbuf: int, bucket: int) -> str:
+    """'optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(...).bucket_idx_K' (one dtype)."""
+    head, tail = f"{DIST_PREFIX}{group}.gbuf_idx_{gbuf}.dtype_", f".bucket_idx_{bucket}.exp_avg"
+    found = sorted(k[: -len(".exp_avg")] for k in reader.keys() if k.startswith(head) and k.endswith(tail))
+    if len(found) != 1:
+        raise FormatError(f"{reader.dir}: {len(found)} tensors named {head}*{tail}, one expected")
+    return found[0]
+
+
+def _map_buckets(reader: DcpReader, source, world: int, tensors, atomics: dict, stored: dict) -> None:
+    """`dp_reshardable`: each atomic tensor's TP-local pieces inside the bucket tensors of the
+    source's model-parallel ranks (rank = tp_rank + TP x pp_rank, megatron's default order)."""
+    from megatron_ucp.legacy_convert import bucket_layout
+
+    tp, pp = source.tensor_model_parallel_size, source.pipeline_model_parallel_size
+    vpp, dp = source.virtual_pipeline_model_parallel_size, source.data_parallel_size
+    if source.num_experts:
+        raise LayoutError(f"{reader.dir}: MoE dp_reshardable optimizer state is not streamed (experts have "
+                          "buffers of their own); convert with --via-megatron")
+    if int(stored.get("context_parallel_size") or 1) != 1:
+        raise LayoutError(f"{reader.dir}: context parallelism is not streamed; convert with --via-megatron")
+    groups = {int(m.group(1)) for k in reader.keys() if (m := re.match(re.escape(DIST_PREFIX) + r"(\d+)\.", k))}
+    if groups != set(range(tp * pp)):
+        raise FormatError(f"{reader.dir}: distributed-optimizer groups {sorted(groups)}, TP {tp} x PP {pp} "
+                          f"gives {tp * pp}")
+    bucket_size = None
+    if stored.get("overlap_grad_reduce"):
+        bucket_size = stored.get("ddp_bucket_size") or max(40000000, 1000000 * dp)
+    high_busbw = bool(stored.get("ddp_pad_buckets_for_high_nccl_busbw"))
+    tied = not source.untie_embeddings_and_output_weights
+    order = [t for t in tensors if t.writes and not t.stateless]  # megatron's parameter order
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            group = tp_rank + tp * pp_rank
+            saved = reader.read_object(_object_key(reader, group, "per_bucket_numel_unpadded"))
+            if isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], list):
+                saved = saved[0]  # the sharded object's own wrapping; then one entry per buffer
+            for c in range((vpp or 1)):
+                pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == (vpp or 1) - 1
+                items = []
+                for t in order:
+                    if _stage_members(t.name, source.num_layers, pp, pp_rank, vpp, c):
+                        numel = math.prod(local_shape(t.rule, t.atomic_shape, tp, t.padded_rows))
+                        items.append((t.name, numel, tied and t.name == EMBEDDING and not post))
+                if tied and post and not pre:  # the last stage's copy of the tied embedding
+                    emb = atomics[EMBEDDING]
+                    items.append((OUTPUT, math.prod(local_shape(emb.rule, emb.shape, tp, emb.padded_rows)), True))
+                index, buckets = bucket_layout(items, dp, bucket_size if c == 0 else None, high_busbw)
+                want = _bucket_numels(saved, c, reader, group)
+                if want != buckets:
+                    raise FormatError(f"{reader.dir}: rank group {group} buffer {c}: the checkpoint's buckets hold "
+                                      f"{want} elements, the model's parameters lay out to {buckets} (different "
+                                      "bucket size? pass --ddp-bucket-size)")
+                keys = [_bucket_key(reader, group, c, b) for b in range(len(buckets))]
+                for name, (b, offset, numel) in index.items():
+                    if name == OUTPUT and tied:
+                        continue
+                    bounds = reader.chunk_bounds(keys[b] + ".exp_avg")
+                    if offset not in bounds or offset + numel not in bounds:
+                        raise FormatError(f"{reader.dir}: {name} at {offset}..{offset + numel} of {keys[b]} does not "
+                                          "fall on the saved chunks' boundaries: the derived buffer layout is wrong")
+                    entry = atomics[name]
+                    if entry.rule.kind == "replicated" and tp_rank != 0:
+                        continue
+                    entry.flat.append(FlatSource(keys[b], offset, numel, tp_rank))
+    for entry in atomics.values():
+        if not entry.buffer and not entry.flat:
+            raise IncompleteCheckpointError(f"{reader.dir}: no optimizer state found for {entry.name}")
+
+
+def _object_key(reader: DcpReader, group: int, what: str) -> str:
+    head = f"{DIST_PREFIX}{group}.{what}/"
+    found = [k for k in reader.keys() if k.startswith(head)]
+    if len(found) != 1:
+        raise FormatError(f"{reader.dir}: {len(found)} objects named {head}*, one expected")
+    return found[0]
+
+
+def _bucket_numels(saved, gbuf: int, reader, group) -> list:
+    try:
+        (numels,) = saved[gbuf].values()
+        return [int(n) for n in numels]
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError):
+        raise FormatError(f"{reader.dir}: rank group {group}: per_bucket_numel_unpadded is {saved!r}, expected "
+                          "one {dtype: [numel, ...]} per buffer") from None
+
+
+def _plain_groups(groups) -> list:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+             if k not in ("params", "step") and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
+            for g in groups]
+
+
+def _step_and_groups(common: dict, reader: DcpReader, sharding: str):
+    """Adam's step and the parameter groups' settings (of every chained optimizer, in order),
+    wherever this sharding keeps them."""
+    parts = _optimizer_parts(common)
+    if sharding == "dp_reshardable":
+        parts = [_unwrap(reader.read_object(_object_key(reader, 0, "optimizer")))]
+    groups, steps = [], set()
+    for part in parts:
+        inner = part.get("optimizer") if isinstance(part.get("optimizer"), dict) else part
+        found = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(found, list) or not found:
+            raise FormatError(f"{reader.dir}: an optimizer without param_groups ({sorted(map(str, part))})")
+        groups += found
+        steps |= {float(g["step"]) for g in found if "step" in g}
+        if "common_step" in (part.get("state") or {}):
+            steps.add(float(part["state"]["common_step"]))
+    if len(steps) != 1:
+        raise FormatError(f"{reader.dir}: optimizer steps {sorted(steps)}, one expected")
+    return int(steps.pop()), _plain_groups(groups)
+
+
+def _rng_states(reader: DcpReader, world: int) -> dict:
+    """This project's RNG states per global rank (megatron's `rng_state` objects), or none."""
+    out = {}
+    for k in reader.keys():
+        m = re.fullmatch(r"rng_state/shard_(\d+)_(\d+)", k)
+        if not m or int(m.group(2)) != world:
+            continue
+        state = _unwrap(reader.read_object(k))
+        if not (isinstance(state, dict) and {"python", "numpy", "torch", "tracker"} <= set(state)):
+            return {}
+        out[int(m.group(1))] = state
+    return out if len(out) == world else {}
+
+
+# ---------------------------------------------------------------- one atomic tensor
+
+
+def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
+    """One state of one atomic tensor as {part: array}."""
+    if plan.sharding == "dp_reshardable" and not entry.buffer:
+        parts = {"": np.empty(entry.shape, dtype=np.float32)}
+        if entry.padding_rows:
+            parts[PADDING] = np.empty((entry.padding_rows,) + tuple(entry.shape[1:]), dtype=np.float32)
+        for src in entry.flat:
+            flat = reader.read_box(f"{src.bucket}.{state}", (src.offset,), (src.numel,))
+            for p in pieces(entry.rule, entry.shape, plan.tp, src.tp_rank, entry.padded_rows):
+                box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))
+                parts[p.part][box] = flat[p.local_start:p.local_start + p.numel].reshape(p.shape)
+        return parts
+    prefix = entry.prefixes.get(state, "")
+    rows = entry.padded_rows or (entry.shape[0] if entry.shape else None)
+    whole = np.empty(((rows,) + tuple(entry.shape[1:])) if entry.shape else (), dtype=np.float32)
+    flat = whole.reshape(-1)
+    for b in entry.boxes:
+        flat[b.dest:b.dest + b.numel] = reader.read_box(prefix + b.key, b.offsets, b.sizes).reshape(-1)
+    if not entry.padding_rows:
+        return {"": whole}
+    return {"": whole[:entry.shape[0]], PADDING: whole[entry.shape[0]:]}
+
+
+def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: int = 1,
+            progress: bool = True) -> dict:
+    """Convert one torch_dist `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
+    plan = plan_conversion(iter_dir, extra_argv, nproc)
+    reader = DcpReader(iter_dir)
+    metas = {n: stream_write.tensor_meta(n, e.shape, e.rule, e.padding_rows, e.states, e.buffer)
+             for n, e in plan.atomics.items()}
+
+    def opener(name):
+        entry = plan.atomics[name]
+        return lambda state: assemble(entry, plan, reader, state)
+
+    try:
+        return stream_write.write_checkpoint(output_dir, plan.iteration, metas, opener, plan.head, plan.rng,
+                                             workers, progress)
+    finally:
+        reader.close()

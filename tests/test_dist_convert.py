@@ -1,0 +1,78 @@
+"""The streaming torch_dist converter's pieces, in-process: the DCP box reader on a real DCP
+checkpoint, and the pipeline-stage placement rule. The conversions themselves are in the resume
+matrix (bitwise against direct universal saves)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ucp.dist_convert import DcpReader, _stage_members
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path_factory.mktemp("dcp")
+    g = torch.Generator().manual_seed(0)
+    sd = {"w": torch.randn(6, 5, 4, generator=g), "v": torch.randn(7, generator=g),
+          "half": torch.randn(3, generator=g).bfloat16()}
+    dcp.save(sd, checkpoint_id=str(d), no_dist=True)
+    return d, sd
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_read_box_returns_the_box(dcp_dir, data):
+    d, sd = dcp_dir
+    reader = DcpReader(str(d))
+    shape = tuple(sd["w"].shape)
+    lo = [data.draw(st.integers(0, n - 1)) for n in shape]
+    sizes = [data.draw(st.integers(1, n - o)) for o, n in zip(lo, shape)]
+    got = reader.read_box("w", lo, sizes)
+    want = sd["w"][tuple(slice(o, o + n) for o, n in zip(lo, sizes))].numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+    reader.close()
+
+
+def test_read_box_refuses_what_it_cannot_read(dcp_dir, tmp_path):
+    d, _ = dcp_dir
+    reader = DcpReader(str(d))
+    with pytest.raises(FormatError, match="bfloat16"):
+        reader.read_box("half", (0,), (3,))
+    with pytest.raises(FormatError, match=r"'v' has shape \[7\]"):
+        reader.read_box("v", (5,), (3,))
+    with pytest.raises(FormatError, match="no tensor 'missing'"):
+        reader.read_box("missing", (0,), (1,))
+    reader.close()
+    with pytest.raises(IncompleteCheckpointError, match="missing"):
+        DcpReader(str(tmp_path))
+    # A data file gone: the error names it.
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(d, broken)
+    victim = next(f for f in os.listdir(broken) if f.endswith(".distcp"))
+    os.remove(broken / victim)
+    with pytest.raises(IncompleteCheckpointError, match=victim):
+        DcpReader(str(broken)).read_box("w", (0, 0, 0), (1, 1, 1))
+
+
+@given(pp=st.integers(1, 4), vpp=st.sampled_from([None, 2, 3]), per_chunk=st.integers(1, 3))
+def test_every_parameter_lives_on_exactly_one_pipeline_chunk(pp, vpp, per_chunk):
+    layers = pp * (vpp or 1) * per_chunk
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    names += [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(layers)]
+    chunks = [(r, c) for r in range(pp) for c in range(vpp or 1)]
+    for name in names:
+        homes = [rc for rc in chunks if _stage_members(name, layers, pp, rc[0], vpp, rc[1])]
+        assert len(homes) == 1, (name, homes)
+        if name.startswith("embedding"):
+            assert homes == [(0, 0)]
+        elif not name.startswith("decoder.layers"):
+            assert homes == [(pp - 1, (vpp or 1) - 1)]
