@@ -1,17 +1,21 @@
-"""Conversion benchmark: a Megatron-LM legacy `torch` checkpoint (distributed optimizer) of a few
-GB converted to a universal one, against the disk's own bandwidth measured in the same run, and
-the converter's peak memory against the largest tensor (by hand, not in CI).
+"""Conversion benchmark: Megatron checkpoints of a few GB (legacy `torch` and megatron-core
+`torch_dist`, distributed optimizer) converted to universal ones, against the disk's own
+bandwidth measured in the same run, and the converter's peak memory against the largest tensor
+(by hand, not in CI).
 
     python benchmarks/bench_convert.py [--hidden-size 2048 --num-layers 3 --vocab-size 16000]
-        [--workers 1 2] [--workdir DIR] [--json out.json]
+        [--formats torch torch_dist] [--workers 1 2] [--via-megatron] [--workdir DIR] [--json out.json]
 
 1. A short run of pretrain_gpt_ucp.py (2 CPU processes, TP2, 1 iteration) saves the checkpoint
-   with `--ckpt-format torch --use-distributed-optimizer`.
+   with `--ckpt-format torch|torch_dist --use-distributed-optimizer` (torch_dist: megatron's
+   default `dp_reshardable` optimizer sharding).
 2. Disk baseline: write the converted byte count with fsync, drop it from the page cache
    (posix_fadvise), read it back.
 3. The checkpoint's files are dropped from the page cache the same way, then
    tools/convert_to_universal.py runs as a child process; its process tree's RSS is sampled.
 Time ratio = conversion seconds / (baseline write + read seconds of the same bytes).
+`--via-megatron` adds, for torch_dist, a run of the non-streaming path (megatron's loader in
+processes of the source layout) for comparison.
 """
 
 import argparse
@@ -81,8 +85,8 @@ def run_sampled(cmd, env) -> tuple:
     return seconds, peak
 
 
-def make_checkpoint(work: Path, a) -> Path:
-    ckpt = work / "legacy"
+def make_checkpoint(work: Path, a, fmt: str) -> Path:
+    ckpt = work / fmt
     if (ckpt / "latest_checkpointed_iteration.txt").exists():
         return ckpt
     with socket.socket() as s:
@@ -93,7 +97,7 @@ def make_checkpoint(work: Path, a) -> Path:
            "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size), "--num-attention-heads", "16",
            "--seq-length", "16", "--vocab-size", str(a.vocab_size), "--micro-batch-size", "1",
            "--global-batch-size", "1", "--train-iters", "1", "--tensor-model-parallel-size", "2",
-           "--use-distributed-optimizer", "--ckpt-format", "torch", "--save", str(ckpt)]
+           "--use-distributed-optimizer", "--ckpt-format", fmt, "--save", str(ckpt)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     subprocess.run(cmd, check=True, env=env)
     return ckpt
@@ -101,7 +105,8 @@ def make_checkpoint(work: Path, a) -> Path:
 
 def idle_rss() -> int:
     """RSS of a Python process that has imported what the converter imports (its floor)."""
-    code = ("import torch, numpy, tqdm, megatron_ucp.convert, megatron_ucp.legacy_convert, psutil, os; "
+    code = ("import torch, numpy, tqdm, megatron_ucp.convert, megatron_ucp.legacy_convert, psutil, os, "
+            "megatron.core.models.gpt; "
             "print(psutil.Process(os.getpid()).memory_info().rss)")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return int(subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
@@ -114,48 +119,53 @@ def main() -> int:
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--vocab-size", type=int, default=16000)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--formats", nargs="+", default=["torch", "torch_dist"], choices=["torch", "torch_dist"])
+    p.add_argument("--via-megatron", action="store_true", help="also time torch_dist through megatron's loader")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="ucp-bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = make_checkpoint(work, a)
-    files = list(ckpt.rglob("*.pt"))
-    input_bytes = sum(f.stat().st_size for f in files)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-    results = {"input_bytes": input_bytes, "idle_rss": idle_rss(), "runs": []}
-    for workers in a.workers:
-        out = work / f"universal_w{workers}"
-        shutil.rmtree(out, ignore_errors=True)
-        for f in files:
-            drop_cache(f)
-        cmd = [sys.executable, str(REPO / "tools" / "convert_to_universal.py"), "--input", str(ckpt),
-               "--output", str(out), "--workers", str(workers)]
-        seconds, peak = run_sampled(cmd, env)
-        manifest = json.loads(next(out.glob("iter_*/ucp.json")).read_text())
-        tensors = manifest["tensors"].values()
-        out_bytes = sum(e["file_size"] for e in tensors)
-        largest = max(tensors, key=lambda e: math.prod(e["shape"]) + e["padding_rows"] * math.prod(e["shape"][1:]))
-        largest_tensor = 4 * (math.prod(largest["shape"]) + largest["padding_rows"] * math.prod(largest["shape"][1:]))
-        disk = disk_baseline(work, out_bytes)
-        results["runs"].append({"workers": workers, "seconds": seconds, "peak_rss": peak, "output_bytes": out_bytes,
-                                "tensors": len(manifest["tensors"]), "largest_tensor_bytes": largest_tensor,
-                                "largest_file_bytes": largest["file_size"], "disk": disk})
-        shutil.rmtree(out, ignore_errors=True)
-    print(f"\ninput: {input_bytes / 1e9:.2f} GB legacy torch checkpoint (TP2, distributed optimizer); "
-          f"idle converter process RSS {results['idle_rss'] / 2**20:.0f} MiB")
+    results = {"idle_rss": idle_rss(), "runs": []}
+    for fmt in a.formats:
+        ckpt = make_checkpoint(work, a, fmt)
+        files = [f for f in ckpt.rglob("*") if f.is_file() and f.name != "latest_checkpointed_iteration.txt"]
+        input_bytes = sum(f.stat().st_size for f in files)
+        modes = [(w, False) for w in a.workers] + ([(1, True)] if a.via_megatron and fmt == "torch_dist" else [])
+        for workers, via in modes:
+            out = work / f"universal_{fmt}_w{workers}{'_via' if via else ''}"
+            shutil.rmtree(out, ignore_errors=True)
+            for f in files:
+                drop_cache(f)
+            cmd = [sys.executable, str(REPO / "tools" / "convert_to_universal.py"), "--input", str(ckpt),
+                   "--output", str(out), "--workers", str(workers)] + (["--via-megatron"] if via else [])
+            seconds, peak = run_sampled(cmd, env)
+            manifest = json.loads(next(out.glob("iter_*/ucp.json")).read_text())
+            tensors = manifest["tensors"].values()
+            out_bytes = sum(e["file_size"] for e in tensors)
+            largest = max(tensors, key=lambda e: math.prod(e["shape"]) + e["padding_rows"] * math.prod(e["shape"][1:]))
+            largest_tensor = 4 * (math.prod(largest["shape"]) + largest["padding_rows"] * math.prod(largest["shape"][1:]))
+            disk = disk_baseline(work, out_bytes)
+            results["runs"].append({"format": fmt, "via_megatron": via, "input_bytes": input_bytes, "workers": workers,
+                                    "seconds": seconds, "peak_rss": peak, "output_bytes": out_bytes,
+                                    "tensors": len(manifest["tensors"]), "largest_tensor_bytes": largest_tensor,
+                                    "largest_file_bytes": largest["file_size"], "disk": disk})
+            shutil.rmtree(out, ignore_errors=True)
+    print(f"\nidle converter process RSS {results['idle_rss'] / 2**20:.0f} MiB")
     for r in results["runs"]:
         d = r["disk"]
         base = d["write_s"] + d["read_s"]
-        print(f"workers {r['workers']}: {r['tensors']} tensors, {r['output_bytes'] / 1e9:.2f} GB written in "
-              f"{r['seconds']:.1f} s ({r['output_bytes'] / r['seconds'] / 1e9:.3f} GB/s end to end, "
-              "process start included)")
+        how = "through megatron's loader (--via-megatron)" if r["via_megatron"] else f"workers {r['workers']}"
+        print(f"{r['format']} ({r['input_bytes'] / 1e9:.2f} GB, TP2, distributed optimizer), {how}: "
+              f"{r['tensors']} tensors, {r['output_bytes'] / 1e9:.2f} GB written in {r['seconds']:.1f} s "
+              f"({r['output_bytes'] / r['seconds'] / 1e9:.3f} GB/s end to end, process start included)")
         print(f"  disk, same bytes: write+fsync {d['write_s']:.1f} s, read {d['read_s']:.1f} s -> "
               f"time ratio {r['seconds'] / base:.2f}x (conversion / (write + read))")
+        idle = results["idle_rss"] * (1 if r["via_megatron"] else r["workers"])
         print(f"  peak RSS {r['peak_rss'] / 2**20:.0f} MiB = {r['peak_rss'] / r['largest_tensor_bytes']:.2f}x the "
               f"largest tensor ({r['largest_tensor_bytes'] / 2**20:.0f} MiB, one state), "
-              f"{(r['peak_rss'] - results['idle_rss'] * r['workers']) / r['largest_tensor_bytes']:.2f}x above "
-              "the idle processes' RSS")
+              f"{(r['peak_rss'] - idle) / r['largest_tensor_bytes']:.2f}x above the idle processes' RSS")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     return 0
