@@ -2,12 +2,13 @@
 torch format) into a universal one (CPU only).
 
     python tools/convert_to_universal.py --input SAVE_DIR --output OUT [--iteration N] [--nproc P] \
-        [--workers N] [--no-progress] [-- MODEL AND LAYOUT FLAGS]
+        [--workers N] [--via-megatron] [--no-progress] [-- MODEL AND LAYOUT FLAGS]
 
 The checkpoint's stored training arguments describe the model and layout; flags after `--`
-override or supply them. Legacy torch checkpoints are streamed one atomic tensor at a time in
-this process (`--workers` in parallel); torch_dist ones go through megatron's own loader in CPU
-processes of the checkpoint's layout. See megatron_ucp/convert.py and legacy_convert.py.
+override or supply them. Both formats are streamed one atomic tensor at a time in this process
+(`--workers` in parallel); `--via-megatron` loads a torch_dist checkpoint with megatron's own
+loader in CPU processes of its layout instead. See megatron_ucp/convert.py, legacy_convert.py
+and dist_convert.py.
 """
 
 import os
