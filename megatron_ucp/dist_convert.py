@@ -26,6 +26,7 @@ import io
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -61,6 +62,7 @@ class DcpReader:
         except Exception as e:
             raise FormatError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
         self._fds: Dict[str, int] = {}
+        self._bounds: Dict[str, set] = {}
 
     def keys(self):
         return self.meta.state_dict_metadata.keys()
@@ -83,10 +85,12 @@ class DcpReader:
 
     def chunk_bounds(self, fqn: str) -> set:
         """Start and end of every saved chunk of a 1-D tensor."""
-        out = set()
-        for c in self.tensor(fqn).chunks:
-            out.update((c.offsets[0], c.offsets[0] + c.sizes[0]))
-        return out
+        if fqn not in self._bounds:
+            out = set()
+            for c in self.tensor(fqn).chunks:
+                out.update((c.offsets[0], c.offsets[0] + c.sizes[0]))
+            self._bounds[fqn] = out
+        return self._bounds[fqn]
 
     def _raw(self, fqn: str, index) -> bytes:
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -129,8 +133,7 @@ class DcpReader:
         if any(o < 0 or o + n > g for o, n, g in zip(offsets, sizes, md.size)) or len(offsets) != len(md.size):
             raise FormatError(f"{self.dir}: {fqn!r} has shape {list(md.size)}, the model needs the box at "
                               f"{list(offsets)} of size {list(sizes)}")
-        out = np.empty(tuple(sizes), dtype=np.float32)
-        covered = 0
+        out, covered = None, 0
         for c in md.chunks:
             lo = [max(a, b) for a, b in zip(c.offsets, offsets)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(c.offsets, c.sizes, offsets, sizes)]
@@ -143,6 +146,10 @@ class DcpReader:
             if t.dtype != torch.float32:
                 raise FormatError(f"{self.dir}: {fqn!r} is {t.dtype}; the converter reads fp32 state (an "
                                   "fp32 master copy, where the optimizer keeps one)")
+            if tuple(c.offsets) == tuple(offsets) and tuple(c.sizes) == tuple(sizes):
+                return t.numpy()  # the chunk is the box: no copy
+            if out is None:
+                out = np.empty(tuple(sizes), dtype=np.float32)
             src = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, c.offsets))
             dst = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, offsets))
             out[dst] = t.numpy()[src]
@@ -341,14 +348,15 @@ def _sharding(common: dict, reader: DcpReader) -> str:
                       "a model-only checkpoint cannot resume training")
 
 
-def _state_prefix(reader: DcpReader, key: str, name: str) -> str:
-    """'optimizer.state.' or 'chained_<i>.optimizer.state.': the optimizer that holds `key`."""
-    found = [m.group(0)[:-len("exp_avg.")] for k in reader.keys()
-             if (m := _STATE_KEY.match(k)) and k[m.end():] == key]
-    if len(found) != 1:
-        raise IncompleteCheckpointError(f"{reader.dir}: {len(found)} optimizer states for {key!r} ({name}), one "
-                                        "expected")
-    return found[0]
+def _state_prefixes(reader: DcpReader) -> dict:
+    """model key -> the optimizer prefixes holding its state ('optimizer.state.' or
+    'chained_<i>.optimizer.state.'), from one pass over the checkpoint's keys."""
+    out: dict = {}
+    for k in reader.keys():
+        m = _STATE_KEY.match(k)
+        if m:
+            out.setdefault(k[m.end():], []).append(m.group(0)[:-len("exp_avg.")])
+    return out
 
 
 def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[dict] = None) -> Plan:
@@ -377,6 +385,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
         tensors = local_tensors([gpt], None, source.vocab_size)
         architecture = mf.architecture(gpt, source.vocab_size)
     atomics = {}
+    holders = _state_prefixes(reader) if sharding != "dp_reshardable" else {}
     for t in tensors:
         if not t.writes:
             continue
@@ -387,7 +396,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
         entry = Atomic(t.name, t.rule, tuple(t.atomic_shape), padded_rows, states, t.stateless,
                        _boxes(t.name, t.param, sharded.get(id(t.param)), reader))
         if sharding != "dp_reshardable" and not t.stateless:
-            entry.prefixes = _model_space_prefixes(reader, entry)
+            entry.prefixes = _model_space_prefixes(reader, entry, holders)
         atomics[t.name] = entry
     _check_all_keys_used(reader, atomics)
     if sharding == "dp_reshardable":
@@ -413,11 +422,15 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     return Plan(int(common["iteration"]), sharding, source.tensor_model_parallel_size, atomics, head, rng)
 
 
-def _model_space_prefixes(reader: DcpReader, entry: "Atomic") -> dict:
+def _model_space_prefixes(reader: DcpReader, entry: "Atomic", holders: dict) -> dict:
     """state -> key prefix, for optimizer state kept in the model's coordinates. The weights come
     from the optimizer's fp32 copy where it keeps one ('param', 'fp32_param'), else the model."""
     key = entry.boxes[0].key
-    opt = _state_prefix(reader, key, entry.name)
+    found = holders.get(key, [])
+    if len(found) != 1:
+        raise IncompleteCheckpointError(f"{reader.dir}: {len(found)} optimizer states for {key!r} ({entry.name}), "
+                                        "one expected")
+    opt = found[0]
     param = ""
     for candidate in (opt + "param.", opt + "fp32_param."):
         if reader.has_tensor(candidate + key):
@@ -597,10 +610,15 @@ def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[s
         return parts
     prefix = entry.prefixes.get(state, "")
     rows = entry.padded_rows or (entry.shape[0] if entry.shape else None)
-    whole = np.empty(((rows,) + tuple(entry.shape[1:])) if entry.shape else (), dtype=np.float32)
-    flat = whole.reshape(-1)
-    for b in entry.boxes:
-        flat[b.dest:b.dest + b.numel] = reader.read_box(prefix + b.key, b.offsets, b.sizes).reshape(-1)
+    full_shape = ((rows,) + tuple(entry.shape[1:])) if entry.shape else ()
+    if len(entry.boxes) == 1:  # one box holds the whole parameter: use it as read
+        b = entry.boxes[0]
+        whole = reader.read_box(prefix + b.key, b.offsets, b.sizes).reshape(full_shape)
+    else:
+        whole = np.empty(full_shape, dtype=np.float32)
+        flat = whole.reshape(-1)
+        for b in entry.boxes:
+            flat[b.dest:b.dest + b.numel] = reader.read_box(prefix + b.key, b.offsets, b.sizes).reshape(-1)
     if not entry.padding_rows:
         return {"": whole}
     return {"": whole[:entry.shape[0]], PADDING: whole[entry.shape[0]:]}
@@ -609,6 +627,7 @@ def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[s
 def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: int = 1,
             progress: bool = True) -> dict:
     """Convert one torch_dist `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
+    started = time.perf_counter()
     plan = plan_conversion(iter_dir, extra_argv, nproc)
     reader = DcpReader(iter_dir)
     metas = {n: stream_write.tensor_meta(n, e.shape, e.rule, e.padding_rows, e.states, e.buffer)
@@ -620,6 +639,6 @@ def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: 
 
     try:
         return stream_write.write_checkpoint(output_dir, plan.iteration, metas, opener, plan.head, plan.rng,
-                                             workers, progress)
+                                             workers, progress, started)
     finally:
         reader.close()

@@ -18,6 +18,7 @@ import fnmatch
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -545,6 +546,7 @@ def _architecture(a: dict, vocab: int) -> dict:
 def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, workers: int = 1,
             progress: bool = True) -> dict:
     """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
+    started = time.perf_counter()
     plan = plan_conversion(iter_dir, overrides)
     metas = {n: stream_write.tensor_meta(n, e.shape, e.rule, e.padding_rows, mf.STATES)
              for n, e in plan.atomics.items()}
@@ -556,7 +558,7 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
 
     try:
         return stream_write.write_checkpoint(output_dir, plan.iteration, metas, opener, _manifest(plan, metas),
-                                             plan.rng, workers, progress)
+                                             plan.rng, workers, progress, started)
     finally:
         _LOADED.clear()
 

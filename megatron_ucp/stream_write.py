@@ -96,15 +96,16 @@ def _write_one(args):
 
 
 def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], opener, head: dict,
-                     rng: Dict[int, dict], workers: int = 1, progress: bool = True, desc: str = "converting") -> dict:
+                     rng: Dict[int, dict], workers: int = 1, progress: bool = True, started: float = None) -> dict:
     """Write every tensor of `metas` (`opener(name)` returns its state assembler), the RNG files
-    and the manifest (`head` plus the tensors' entries); commit; return the summary."""
+    and the manifest (`head` plus the tensors' entries); commit; return the summary, timed from
+    `started` (a `time.perf_counter()` value: the conversion's start, planning included)."""
     global _JOB
     from tqdm import tqdm
 
     from megatron_ucp.train.checkpointing import iteration_dir, write_tracker
 
-    start = time.perf_counter()
+    start = time.perf_counter() if started is None else started
     final = iteration_dir(output_dir, iteration)
     if os.path.exists(final):
         raise ConfigError(f"{final} exists already; choose another --output")
@@ -118,7 +119,7 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
     entries = {}
     _JOB = (metas, opener)
     try:
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
         jobs = [(n, tmp) for n in names]
         if workers > 1:
             with multiprocessing.get_context("fork").Pool(workers) as pool:
