@@ -161,15 +161,16 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
 
 
 def _load_tensors(root, m, tensors, counter) -> None:
-    layouts = {}
-    for t in tensors:
-        entry = m["tensors"][t.name]
-        if t.name not in layouts:
-            layouts[t.name] = mf.file_layout(entry)
-        layout = layouts[t.name]
+    """Each local tensor's weights and moments, read in place; several files in flight
+    (storage.IO_THREADS), each thread counting its own bytes."""
+    layouts = {name: mf.file_layout(m["tensors"][name]) for name in {t.name for t in tensors}}
+
+    def load_one(t) -> storage.ReadCounter:
+        mine = storage.ReadCounter()
+        entry, layout = m["tensors"][t.name], layouts[t.name]
         path = storage.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
         in_place = _host_view(t.param.data)
-        weight = _read_range(path, entry, layout, t, "param", 0, t.param.numel(), counter, in_place)
+        weight = _read_range(path, entry, layout, t, "param", 0, t.param.numel(), mine, in_place)
         with torch.no_grad():
             if in_place is None:
                 t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
@@ -180,10 +181,17 @@ def _load_tensors(root, m, tensors, counter) -> None:
                 for state in ("exp_avg", "exp_avg_sq"):
                     target = getattr(f, state)
                     in_place = _host_view(target)
-                    data = _read_range(path, entry, layout, t, state, f.start, f.stop, counter, in_place)
+                    data = _read_range(path, entry, layout, t, state, f.start, f.stop, mine, in_place)
                     if in_place is None:
                         target.copy_(torch.from_numpy(data).view(target.shape))
         t.apply_write_back()
+        return mine
+
+    # Largest first, so that the threads' tails are short.
+    order = sorted(tensors, key=lambda t: -t.param.numel())
+    for done in storage.in_parallel(load_one, order):
+        counter.bytes += done.bytes
+        counter.calls += done.calls
 
 
 def _set_adam_step(tensors, step: int) -> None:

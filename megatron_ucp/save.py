@@ -17,7 +17,6 @@ import pickle
 import shutil
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -201,17 +200,6 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
     return out
 
 
-IO_THREADS = 4  # files in flight per rank: positional writes, fsync and crc32 release the GIL
-
-
-def _in_parallel(fn, jobs) -> list:
-    """fn over jobs on up to IO_THREADS threads; the first error is raised."""
-    if len(jobs) <= 1 or IO_THREADS <= 1:
-        return [fn(job) for job in jobs]
-    with ThreadPoolExecutor(min(IO_THREADS, len(jobs)), thread_name_prefix="ucp-io") as pool:
-        return list(pool.map(fn, jobs))
-
-
 def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> None:
     by_file = {}
     for item in items:
@@ -225,7 +213,7 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
                 storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
                                    runs, chunk)
 
-    _in_parallel(write_file, list(by_file.values()))
+    storage.in_parallel(write_file, list(by_file.values()))
     rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
 
 
@@ -239,7 +227,7 @@ def _checksum(tmp, entries, layouts, mine) -> dict:
             "checksums": storage.block_checksums(path, len(layouts[name].header), layouts[name].file_size),
         }
 
-    return dict(_in_parallel(one, list(mine)))
+    return dict(storage.in_parallel(one, list(mine)))
 
 
 _CHECKPOINT_GROUP = None

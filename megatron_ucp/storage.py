@@ -16,11 +16,12 @@ import math
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 
 # safetensors dtype string -> numpy dtype (safetensors data is little-endian), and back.
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
@@ -138,6 +139,26 @@ class ReadCounter:
 
     bytes: int = 0
     calls: int = 0
+
+
+# Files in flight per rank (positional reads and writes, fsync and crc32 release the GIL);
+# UCP_IO_THREADS overrides it, e.g. for a parallel file system that wants more.
+def _io_threads() -> int:
+    raw = os.environ.get("UCP_IO_THREADS", "4")
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"environment variable UCP_IO_THREADS={raw!r}: expected a positive integer")
+    return int(raw)
+
+
+IO_THREADS = _io_threads()
+
+
+def in_parallel(fn, jobs) -> list:
+    """fn over jobs on up to IO_THREADS threads, results in order; the first error is raised."""
+    if len(jobs) <= 1 or IO_THREADS <= 1:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(min(IO_THREADS, len(jobs)), thread_name_prefix="ucp-io") as pool:
+        return list(pool.map(fn, jobs))
 
 
 def _open_for_read(path, what="tensor file") -> int:
