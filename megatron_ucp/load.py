@@ -161,8 +161,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
 
 
 def _load_tensors(root, m, tensors, counter) -> None:
-    """Each local tensor's weights and moments, read in place; several files in flight
-    (storage.IO_THREADS), each thread counting its own bytes."""
+    """Each local tensor's weights and moments, read in place; several files in flight where
+    this node has cores to spare (storage.read_threads), each thread counting its own bytes."""
     layouts = {name: mf.file_layout(m["tensors"][name]) for name in {t.name for t in tensors}}
 
     def load_one(t) -> storage.ReadCounter:
@@ -189,7 +189,7 @@ def _load_tensors(root, m, tensors, counter) -> None:
 
     # Largest first, so that the threads' tails are short.
     order = sorted(tensors, key=lambda t: -t.param.numel())
-    for done in storage.in_parallel(load_one, order):
+    for done in storage.in_parallel(load_one, order, storage.read_threads()):
         counter.bytes += done.bytes
         counter.calls += done.calls
 

@@ -153,11 +153,19 @@ def _io_threads() -> int:
 IO_THREADS = _io_threads()
 
 
-def in_parallel(fn, jobs) -> list:
-    """fn over jobs on up to IO_THREADS threads, results in order; the first error is raised."""
-    if len(jobs) <= 1 or IO_THREADS <= 1:
+def read_threads() -> int:
+    """Threads for reads: a read served from the page cache or a fast disk is a memory copy that
+    keeps a core busy, so the ranks of this node share its cores (at most IO_THREADS each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(IO_THREADS, cores // max(1, local_ranks)))
+
+
+def in_parallel(fn, jobs, threads: int = IO_THREADS) -> list:
+    """fn over jobs on up to `threads` threads, results in order; the first error is raised."""
+    if len(jobs) <= 1 or threads <= 1:
         return [fn(job) for job in jobs]
-    with ThreadPoolExecutor(min(IO_THREADS, len(jobs)), thread_name_prefix="ucp-io") as pool:
+    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="ucp-io") as pool:
         return list(pool.map(fn, jobs))
 
 

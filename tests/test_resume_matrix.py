@@ -161,6 +161,11 @@ def w2(work, w4, converted, dist_converted, legacy_converted):
     ok(w4, "a_dp4")
     steps = [
         train("b_converted_tp1dp2", DIST, load=d("CN"), step=K),
+        # The streamed torch_dist conversions on other layouts.
+        train("b_converted_full_tp2", ["--tensor-model-parallel-size", "2"], load=d("CNF"), step=K),
+        train("b_converted_nodist_pp2", ["--pipeline-model-parallel-size", "2"] + DIST, load=d("CNND"), step=K),
+        train("b_converted_vpp_tp2", ["--tensor-model-parallel-size", "2"], load=d("CNV"), step=K),
+        train("b_converted_g_tp2", GQA + ["--tensor-model-parallel-size", "2"] + DIST, load=d("CNG"), step=3),
         # Converted legacy checkpoints on other layouts.
         train("b_legacy_tp1dp2", DIST, load=d("CL"), step=K),
         train("b_legacy_nodist_tp2", ["--tensor-model-parallel-size", "2"], load=d("CLND"), step=K),
@@ -204,8 +209,13 @@ def w2(work, w4, converted, dist_converted, legacy_converted):
 
 
 @pytest.fixture(scope="module")
-def w1(work):
-    return run_steps(1, [train("t_single", [])], work / "w1")
+def w1(work, w4):
+    """One process: it trains, and it loads TP2xPP2 with the node's cores to itself, so the load
+    reads several files at once (storage.read_threads)."""
+    ok(w4, "a_tp2pp2")
+    d = lambda name: str(work / name)  # noqa: E731
+    return run_steps(1, [train("t_single", []), train("b_single", DIST, load=d("A"), step=K),
+                         roundtrip("r_single", DIST, d("A"), K, d("R_single"))], work / "w1")
 
 
 def _falls(history: dict) -> None:
@@ -225,6 +235,12 @@ def test_four_process_layouts_train(w4, name):
 
 def test_single_process_trains(w1):
     _falls(losses(w1, "t_single"))
+
+
+def test_single_process_resumes_tp2pp2(w1, w4, work):
+    assert max_loss_delta(losses(w4, "a_tp2pp2"), losses(w1, "b_single")) <= TOL
+    ok(w1, "r_single")
+    assert_same_state(work / "A" / "iter_0000005", work / "R_single" / "iter_0000005")
 
 
 def test_same_layout_resume_is_bitwise(w4, w4n):
@@ -309,8 +325,12 @@ def test_converted_moe_torch_dist_equals_a_direct_universal_save(w2, work):
         convert(str(work / "MN"), str(work / "CMN2"), iteration=K, progress=False)
 
 
-def test_converted_checkpoint_resumes_on_another_layout(w4, w2):
-    assert max_loss_delta(losses(w4, "a_tp2pp2"), losses(w2, "b_converted_tp1dp2")) <= TOL
+@pytest.mark.parametrize("reference,resumed", [
+    ("a_tp2pp2", "b_converted_tp1dp2"), ("a_tp2pp2", "b_converted_full_tp2"), ("a_nodist", "b_converted_nodist_pp2"),
+    ("a_vpp", "b_converted_vpp_tp2"), ("g_tp1", "b_converted_g_tp2"),
+])
+def test_converted_checkpoint_resumes_on_another_layout(w4, w2, reference, resumed):
+    assert max_loss_delta(losses(w4, reference), losses(w2, resumed)) <= TOL
 
 
 def test_async_save_writes_the_same_checkpoint(w2, work):
