@@ -401,6 +401,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     _check_all_keys_used(reader, atomics)
     if sharding == "dp_reshardable":
         _map_buckets(reader, source, world, tensors, atomics, stored)
+        check_bucket_layout(reader, atomics, source.tensor_model_parallel_size, source)
     step, groups = _step_and_groups(common, reader, sharding)
     rng = _rng_states(reader, world)
     layout = {
@@ -599,16 +600,24 @@ def _rng_states(reader: DcpReader, world: int) -> dict:
 def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
     """One state of one atomic tensor as {part: array}."""
     if plan.sharding == "dp_reshardable" and not entry.buffer:
-        parts = {"": np.empty(entry.shape, dtype=np.float32)}
-        if entry.padding_rows:
-            parts[PADDING] = np.empty((entry.padding_rows,) + tuple(entry.shape[1:]), dtype=np.float32)
-        for src in entry.flat:
-            flat = reader.read_box(f"{src.bucket}.{state}", (src.offset,), (src.numel,))
-            for p in pieces(entry.rule, entry.shape, plan.tp, src.tp_rank, entry.padded_rows):
-                box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))
-                parts[p.part][box] = flat[p.local_start:p.local_start + p.numel].reshape(p.shape)
-        return parts
-    prefix = entry.prefixes.get(state, "")
+        return _from_buckets(entry, plan.tp, reader, state)
+    return _from_boxes(entry, reader, entry.prefixes.get(state, ""))
+
+
+def _from_buckets(entry: Atomic, tp: int, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
+    parts = {"": np.empty(entry.shape, dtype=np.float32)}
+    if entry.padding_rows:
+        parts[PADDING] = np.empty((entry.padding_rows,) + tuple(entry.shape[1:]), dtype=np.float32)
+    for src in entry.flat:
+        flat = reader.read_box(f"{src.bucket}.{state}", (src.offset,), (src.numel,))
+        for p in pieces(entry.rule, entry.shape, tp, src.tp_rank, entry.padded_rows):
+            box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))
+            parts[p.part][box] = flat[p.local_start:p.local_start + p.numel].reshape(p.shape)
+    return parts
+
+
+def _from_boxes(entry: Atomic, reader: DcpReader, prefix: str) -> Dict[str, np.ndarray]:
+    """The whole (TP = 1) tensor from its boxes under `prefix`, split into tensor and padding."""
     rows = entry.padded_rows or (entry.shape[0] if entry.shape else None)
     full_shape = ((rows,) + tuple(entry.shape[1:])) if entry.shape else ()
     if len(entry.boxes) == 1:  # one box holds the whole parameter: use it as read
@@ -622,6 +631,32 @@ def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[s
     if not entry.padding_rows:
         return {"": whole}
     return {"": whole[:entry.shape[0]], PADDING: whole[entry.shape[0]:]}
+
+
+def check_bucket_layout(reader: DcpReader, atomics: dict, tp: int, source) -> bool:
+    """`dp_reshardable`: the fp32 weights found in the buckets at the derived places must be the
+    model's weights, bit for bit. Two parameters of one size in swapped places would pass the
+    size and boundary checks; their values do not. Probed on every tensor outside the layers and
+    on the first layer of every pipeline chunk (the derivation repeats per layer). Returns False,
+    checking nothing, when the model's weights are not fp32 (then they are a rounded copy)."""
+    import torch
+
+    pp, vpp = source.pipeline_model_parallel_size, source.virtual_pipeline_model_parallel_size
+    firsts = {layer_offset(source.num_layers, pp, r, vpp, c if vpp else None)
+              for r in range(pp) for c in range(vpp or 1)}
+    probes = [e for e in atomics.values() if not e.buffer and (
+        not (m := _LAYER.match(e.name)) or int(m.group(1)) in firsts)]
+    if any(reader.tensor(e.boxes[0].key).properties.dtype != torch.float32 for e in probes):
+        return False
+    for e in probes:
+        model, buckets = _from_boxes(e, reader, ""), _from_buckets(e, tp, reader, "param")
+        for part, want in model.items():
+            differ = int(np.count_nonzero(want.view(np.uint32) != buckets[part].view(np.uint32)))
+            if differ:
+                raise FormatError(f"{reader.dir}: {e.name}: the optimizer's fp32 weights at the derived places in "
+                                  f"the buckets differ from the model's in {differ} of {want.size} elements: the "
+                                  "derived buffer layout does not fit this checkpoint; convert with --via-megatron")
+    return True
 
 
 def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: int = 1,

@@ -446,3 +446,23 @@ def test_torch_dist_conversion_refuses_bad_input_and_leaves_nothing_behind(w4n, 
     with pytest.raises(ConfigError, match="exists already"):
         convert(str(work / "N"), str(work / "CN"), iteration=K, progress=False)
     assert sorted(os.listdir(work / "CN")) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_wrong_bucket_layout_is_caught_by_the_weights(w4n, work, monkeypatch):
+    """Two same-size parameters in swapped places pass the size and boundary checks; the fp32
+    weights in the buckets then differ from the model's, and the conversion stops naming one."""
+    from megatron_ucp import dist_convert, legacy_convert
+    from megatron_ucp.errors import FormatError
+
+    real = legacy_convert.bucket_layout
+    a, b = "decoder.layers.2.input_layernorm.weight", "decoder.layers.2.input_layernorm.bias"
+
+    def swapped(items, *args):
+        index, buckets = real(items, *args)
+        if a in index and b in index:
+            index[a], index[b] = index[b], index[a]
+        return index, buckets
+
+    monkeypatch.setattr(legacy_convert, "bucket_layout", swapped)
+    with pytest.raises(FormatError, match=r"input_layernorm\.(weight|bias): the optimizer's fp32 weights"):
+        dist_convert.plan_conversion(str(work / "N" / "iter_0000005"))
