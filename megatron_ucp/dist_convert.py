@@ -15,9 +15,11 @@ Optimizer state, by megatron-core's distributed-optimizer sharding:
 - none (plain optimizer) and `fully_reshardable`: `optimizer.state.<state>.<model key>`, in the
   model's coordinates, read like the weights;
 - `dp_reshardable` (megatron's default): one flat tensor per (model-parallel rank, buffer,
-  bucket). Where each parameter lies is megatron's buffer layout, derived here by a pure function
+  bucket), for the dense optimizer and, with MoE, the experts' one chained after it. Where each
+  parameter lies is megatron's buffer layout, derived here by a pure function
   (legacy_convert.bucket_layout) and checked against what the checkpoint records: every bucket's
-  size and every parameter's boundaries among the bucket's saved chunks.
+  size, every parameter's boundaries among the bucket's saved chunks, and (fp32) the weights
+  found there against the model's.
 """
 
 import contextlib
@@ -195,6 +197,7 @@ class FlatSource:
     offset: int
     numel: int
     tp_rank: int
+    tp: int  # its TP size (expert TP for experts)
 
 
 @dataclass
@@ -335,9 +338,6 @@ _STATE_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.state\.exp_avg\.")
 def _sharding(common: dict, reader: DcpReader) -> str:
     kinds = {p.get("param_state_sharding_type") for p in _optimizer_parts(common)} - {None}
     if any(DIST_PREFIX in k for k in reader.keys()):
-        if any(k.startswith("chained_") for k in reader.keys()):
-            raise LayoutError(f"{reader.dir}: chained (MoE) dp_reshardable optimizer state is not streamed (experts "
-                              "have buffers of their own); convert with --via-megatron")
         if kinds - {"dp_reshardable"} or not any(".gbuf_idx_" in k for k in reader.keys()):
             raise FormatError(f"{reader.dir}: distributed-optimizer sharding {sorted(kinds)} is not streamed; "
                               "convert with --via-megatron")
@@ -401,7 +401,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     _check_all_keys_used(reader, atomics)
     if sharding == "dp_reshardable":
         _map_buckets(reader, source, world, tensors, atomics, stored)
-        check_bucket_layout(reader, atomics, source.tensor_model_parallel_size, source)
+        check_bucket_layout(reader, atomics, source)
     step, groups = _step_and_groups(common, reader, sharding)
     rng = _rng_states(reader, world)
     layout = {
@@ -466,60 +466,105 @@ def _stage_members(name: str, num_layers: int, pp: int, pp_rank: int, vpp, c: in
     raise LayoutError(f"{name}: cannot tell which pipeline stage holds it")
 
 
-def _bucket_key(reader: DcpReader, group: int, gbuf: int, bucket: int) -> str:
-    """'optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(...).bucket_idx_K' (one dtype)."""
-    head, tail = f"{DIST_PREFIX}{group}.gbuf_idx_{gbuf}.dtype_", f".bucket_idx_{bucket}.exp_avg"
+def _bucket_key(reader: DcpReader, prefix: str, group: int, gbuf: int, bucket: int) -> str:
+    """'[chained_<i>.]optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(...).bucket_idx_K'."""
+    head, tail = f"{prefix}{DIST_PREFIX}{group}.gbuf_idx_{gbuf}.dtype_", f".bucket_idx_{bucket}.exp_avg"
     found = sorted(k[: -len(".exp_avg")] for k in reader.keys() if k.startswith(head) and k.endswith(tail))
     if len(found) != 1:
         raise FormatError(f"{reader.dir}: {len(found)} tensors named {head}*{tail}, one expected")
     return found[0]
 
 
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+
+
+@dataclass
+class _Domain:
+    """One distributed optimizer: the dense one, or (MoE with EP > 1, chained second) the
+    experts' one."""
+
+    prefix: str  # '' or 'chained_<i>.'
+    members: str  # 'all', 'dense' or 'experts'
+    tp: int  # TP size of its parameters (expert TP for the experts' optimizer)
+    dp: int  # its data-parallel size (the expert-data-parallel size for experts)
+    ranks: list  # [(group index, pp_rank, tp_rank, ep_rank)]
+
+
+def _domains(reader: DcpReader, source, world: int) -> List[_Domain]:
+    """megatron-core's optimizers and their model-parallel ranks, in its default rank order:
+    dense group index = tp_rank + TP x pp_rank (the tp-pp group), expert group index =
+    etp_rank + ETP x (ep_rank + EP x pp_rank) (the expert tp-ep-pp group). Experts get an
+    optimizer of their own only with expert parallelism (megatron marks them `allreduce=False`
+    only then); with EP = 1 they sit in the dense buffers."""
+    tp, pp = source.tensor_model_parallel_size, source.pipeline_model_parallel_size
+    dense = [(t + tp * r, r, t, 0) for r in range(pp) for t in range(tp)]
+    ep = source.expert_model_parallel_size if source.num_experts else 1
+    etp = source.expert_tensor_parallel_size or tp
+    if ep == 1:
+        if source.num_experts and etp != tp:
+            raise LayoutError(f"{reader.dir}: experts with expert TP {etp} != TP {tp} and no expert parallelism are "
+                              "not streamed; convert with --via-megatron")
+        return [_Domain("", "all", tp, world // (tp * pp), dense)]
+    experts = [(t + etp * (e + ep * r), r, t, e) for r in range(pp) for e in range(ep) for t in range(etp)]
+    return [_Domain("chained_0.", "dense", tp, world // (tp * pp), dense),
+            _Domain("chained_1.", "experts", etp, world // (etp * ep * pp), experts)]
+
+
 def _map_buckets(reader: DcpReader, source, world: int, tensors, atomics: dict, stored: dict) -> None:
     """`dp_reshardable`: each atomic tensor's TP-local pieces inside the bucket tensors of the
-    source's model-parallel ranks (rank = tp_rank + TP x pp_rank, megatron's default order)."""
+    source's model-parallel ranks, for the dense optimizer and (MoE) the experts' one."""
     from megatron_ucp.legacy_convert import bucket_layout
 
-    tp, pp = source.tensor_model_parallel_size, source.pipeline_model_parallel_size
-    vpp, dp = source.virtual_pipeline_model_parallel_size, source.data_parallel_size
-    if source.num_experts:
-        raise LayoutError(f"{reader.dir}: MoE dp_reshardable optimizer state is not streamed (experts have "
-                          "buffers of their own); convert with --via-megatron")
+    pp, vpp = source.pipeline_model_parallel_size, source.virtual_pipeline_model_parallel_size
     if int(stored.get("context_parallel_size") or 1) != 1:
         raise LayoutError(f"{reader.dir}: context parallelism is not streamed; convert with --via-megatron")
-    groups = {int(m.group(1)) for k in reader.keys() if (m := re.match(re.escape(DIST_PREFIX) + r"(\d+)\.", k))}
-    if groups != set(range(tp * pp)):
-        raise FormatError(f"{reader.dir}: distributed-optimizer groups {sorted(groups)}, TP {tp} x PP {pp} "
-                          f"gives {tp * pp}")
-    bucket_size = None
-    if stored.get("overlap_grad_reduce"):
-        bucket_size = stored.get("ddp_bucket_size") or max(40000000, 1000000 * dp)
+    domains = _domains(reader, source, world)
+    chained = re.compile(r"^(chained_\d+\.)?" + re.escape(DIST_PREFIX))
+    seen = {m.group(1) or "" for k in reader.keys() if (m := chained.match(k))}
+    if seen != {d.prefix for d in domains}:
+        raise FormatError(f"{reader.dir}: distributed-optimizer state under {sorted(seen)}, the model's optimizers "
+                          f"are {[d.prefix for d in domains]}")
     high_busbw = bool(stored.get("ddp_pad_buckets_for_high_nccl_busbw"))
     tied = not source.untie_embeddings_and_output_weights
     order = [t for t in tensors if t.writes and not t.stateless]  # megatron's parameter order
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            group = tp_rank + tp * pp_rank
-            saved = reader.read_object(_object_key(reader, group, "per_bucket_numel_unpadded"))
+    num_local = (source.num_experts // source.expert_model_parallel_size) if source.num_experts else 0
+    for d in domains:
+        pattern = re.compile(re.escape(d.prefix + DIST_PREFIX) + r"(\d+)\.")
+        groups = {int(m.group(1)) for k in reader.keys() if (m := pattern.match(k))}
+        if groups != {g for g, *_ in d.ranks}:
+            raise FormatError(f"{reader.dir}: {d.prefix}distributed-optimizer groups {sorted(groups)}, the layout "
+                              f"gives {len(d.ranks)}")
+        bucket_size = None
+        if stored.get("overlap_grad_reduce"):
+            bucket_size = stored.get("ddp_bucket_size") or max(40000000, 1000000 * d.dp)
+        for group, pp_rank, tp_rank, ep_rank in d.ranks:
+            saved = reader.read_object(_object_key(reader, d.prefix, group, "per_bucket_numel_unpadded"))
             if isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], list):
                 saved = saved[0]  # the sharded object's own wrapping; then one entry per buffer
             for c in range((vpp or 1)):
                 pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == (vpp or 1) - 1
                 items = []
                 for t in order:
-                    if _stage_members(t.name, source.num_layers, pp, pp_rank, vpp, c):
-                        numel = math.prod(local_shape(t.rule, t.atomic_shape, tp, t.padded_rows))
-                        items.append((t.name, numel, tied and t.name == EMBEDDING and not post))
-                if tied and post and not pre:  # the last stage's copy of the tied embedding
+                    expert = _EXPERT.search(t.name)
+                    if d.members != "all" and bool(expert) != (d.members == "experts"):
+                        continue
+                    if not _stage_members(t.name, source.num_layers, pp, pp_rank, vpp, c):
+                        continue
+                    if expert and int(expert.group(1)) // num_local != ep_rank:
+                        continue
+                    numel = math.prod(local_shape(t.rule, t.atomic_shape, d.tp, t.padded_rows))
+                    items.append((t.name, numel, tied and t.name == EMBEDDING and not post))
+                if tied and post and not pre and d.members != "experts":  # the tied embedding's last-stage copy
                     emb = atomics[EMBEDDING]
-                    items.append((OUTPUT, math.prod(local_shape(emb.rule, emb.shape, tp, emb.padded_rows)), True))
-                index, buckets = bucket_layout(items, dp, bucket_size if c == 0 else None, high_busbw)
-                want = _bucket_numels(saved, c, reader, group)
+                    items.append((OUTPUT, math.prod(local_shape(emb.rule, emb.shape, d.tp, emb.padded_rows)), True))
+                index, buckets = bucket_layout(items, d.dp, bucket_size if c == 0 else None, high_busbw)
+                where = f"{d.prefix}rank group {group} buffer {c}"
+                want = _bucket_numels(saved, c, reader, where)
                 if want != buckets:
-                    raise FormatError(f"{reader.dir}: rank group {group} buffer {c}: the checkpoint's buckets hold "
-                                      f"{want} elements, the model's parameters lay out to {buckets} (different "
-                                      "bucket size? pass --ddp-bucket-size)")
-                keys = [_bucket_key(reader, group, c, b) for b in range(len(buckets))]
+                    raise FormatError(f"{reader.dir}: {where}: the checkpoint's buckets hold {want} elements, the "
+                                      f"model's parameters lay out to {buckets} (different bucket size? pass "
+                                      "--ddp-bucket-size)")
+                keys = [_bucket_key(reader, d.prefix, group, c, b) for b in range(len(buckets))]
                 for name, (b, offset, numel) in index.items():
                     if name == OUTPUT and tied:
                         continue
@@ -530,26 +575,26 @@ def _map_buckets(reader: DcpReader, source, world: int, tensors, atomics: dict, 
                     entry = atomics[name]
                     if entry.rule.kind == "replicated" and tp_rank != 0:
                         continue
-                    entry.flat.append(FlatSource(keys[b], offset, numel, tp_rank))
+                    entry.flat.append(FlatSource(keys[b], offset, numel, tp_rank, d.tp))
     for entry in atomics.values():
         if not entry.buffer and not entry.flat:
             raise IncompleteCheckpointError(f"{reader.dir}: no optimizer state found for {entry.name}")
 
 
-def _object_key(reader: DcpReader, group: int, what: str) -> str:
-    head = f"{DIST_PREFIX}{group}.{what}/"
+def _object_key(reader: DcpReader, prefix: str, group: int, what: str) -> str:
+    head = f"{prefix}{DIST_PREFIX}{group}.{what}/"
     found = [k for k in reader.keys() if k.startswith(head)]
     if len(found) != 1:
         raise FormatError(f"{reader.dir}: {len(found)} objects named {head}*, one expected")
     return found[0]
 
 
-def _bucket_numels(saved, gbuf: int, reader, group) -> list:
+def _bucket_numels(saved, gbuf: int, reader, where: str) -> list:
     try:
         (numels,) = saved[gbuf].values()
         return [int(n) for n in numels]
     except (IndexError, KeyError, TypeError, ValueError, AttributeError):
-        raise FormatError(f"{reader.dir}: rank group {group}: per_bucket_numel_unpadded is {saved!r}, expected "
+        raise FormatError(f"{reader.dir}: {where}: per_bucket_numel_unpadded is {saved!r}, expected "
                           "one {dtype: [numel, ...]} per buffer") from None
 
 
@@ -564,7 +609,8 @@ def _step_and_groups(common: dict, reader: DcpReader, sharding: str):
     wherever this sharding keeps them."""
     parts = _optimizer_parts(common)
     if sharding == "dp_reshardable":
-        parts = [_unwrap(reader.read_object(_object_key(reader, 0, "optimizer")))]
+        prefixes = ["chained_0.", "chained_1."] if any(k.startswith("chained_") for k in reader.keys()) else [""]
+        parts = [_unwrap(reader.read_object(_object_key(reader, p, 0, "optimizer"))) for p in prefixes]
     groups, steps = [], set()
     for part in parts:
         inner = part.get("optimizer") if isinstance(part.get("optimizer"), dict) else part
@@ -600,17 +646,17 @@ def _rng_states(reader: DcpReader, world: int) -> dict:
 def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
     """One state of one atomic tensor as {part: array}."""
     if plan.sharding == "dp_reshardable" and not entry.buffer:
-        return _from_buckets(entry, plan.tp, reader, state)
+        return _from_buckets(entry, reader, state)
     return _from_boxes(entry, reader, entry.prefixes.get(state, ""))
 
 
-def _from_buckets(entry: Atomic, tp: int, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
+def _from_buckets(entry: Atomic, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
     parts = {"": np.empty(entry.shape, dtype=np.float32)}
     if entry.padding_rows:
         parts[PADDING] = np.empty((entry.padding_rows,) + tuple(entry.shape[1:]), dtype=np.float32)
     for src in entry.flat:
         flat = reader.read_box(f"{src.bucket}.{state}", (src.offset,), (src.numel,))
-        for p in pieces(entry.rule, entry.shape, tp, src.tp_rank, entry.padded_rows):
+        for p in pieces(entry.rule, entry.shape, src.tp, src.tp_rank, entry.padded_rows):
             box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))
             parts[p.part][box] = flat[p.local_start:p.local_start + p.numel].reshape(p.shape)
     return parts
@@ -633,7 +679,7 @@ def _from_boxes(entry: Atomic, reader: DcpReader, prefix: str) -> Dict[str, np.n
     return {"": whole[:entry.shape[0]], PADDING: whole[entry.shape[0]:]}
 
 
-def check_bucket_layout(reader: DcpReader, atomics: dict, tp: int, source) -> bool:
+def check_bucket_layout(reader: DcpReader, atomics: dict, source) -> bool:
     """`dp_reshardable`: the fp32 weights found in the buckets at the derived places must be the
     model's weights, bit for bit. Two parameters of one size in swapped places would pass the
     size and boundary checks; their values do not. Probed on every tensor outside the layers and
@@ -649,7 +695,7 @@ def check_bucket_layout(reader: DcpReader, atomics: dict, tp: int, source) -> bo
     if any(reader.tensor(e.boxes[0].key).properties.dtype != torch.float32 for e in probes):
         return False
     for e in probes:
-        model, buckets = _from_boxes(e, reader, ""), _from_buckets(e, tp, reader, "param")
+        model, buckets = _from_boxes(e, reader, ""), _from_buckets(e, reader, "param")
         for part, want in model.items():
             differ = int(np.count_nonzero(want.view(np.uint32) != buckets[part].view(np.uint32)))
             if differ:

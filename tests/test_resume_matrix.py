@@ -201,6 +201,11 @@ def w2(work, w4, converted, dist_converted, legacy_converted):
         train("m_ep2_full", MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist",
                                           "--dist-ckpt-optim-format", "fully_reshardable"], save=d("MF"),
               interval=K),
+        # MoE on TP2 + sequence parallel (expert TP2, EP1), universal and torch_dist (dp_reshardable).
+        train("m_etp2", MOE + DIST + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], save=d("ME"),
+              interval=K),
+        train("m_etp2_native", MOE + DIST + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                             "--ckpt-format", "torch_dist"], save=d("MEN"), interval=K),
         {"name": "c_moe_via_megatron", "op": "convert", "output": d("CMN"),
          "argv": BASE + MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist",
                                       "--load", d("MN"), "--ckpt-step", str(K)]},
@@ -311,18 +316,21 @@ def test_converted_torch_dist_equals_a_direct_universal_save(w4, w4n, work, conv
 
 
 def test_converted_moe_torch_dist_equals_a_direct_universal_save(w2, work):
-    """EP2 experts: streamed from fully_reshardable, and through megatron from dp_reshardable,
-    which the streaming converter refuses by name."""
+    """Experts, streamed: EP2 from fully_reshardable and from dp_reshardable (the experts'
+    optimizer chained after the dense one, expert data parallelism apart), expert TP2 from
+    dp_reshardable; and EP2 through megatron's loader (--via-megatron)."""
     from megatron_ucp.convert import convert
-    from megatron_ucp.errors import LayoutError
 
-    ok(w2, "m_ep2_full")
-    convert(str(work / "MF"), str(work / "CMF"), iteration=K, progress=False)
-    assert_same_state(work / "M" / "iter_0000005", work / "CMF" / "iter_0000005")
+    for step, src, direct in (("m_ep2_full", "MF", "M"), ("m_ep2_native", "MN", "M"), ("m_etp2_native", "MEN", "ME")):
+        ok(w2, step)
+        convert(str(work / src), str(work / f"C{src}2"), iteration=K, progress=False)
+        assert_same_state(work / direct / "iter_0000005", work / f"C{src}2" / "iter_0000005")
+        with open(work / direct / "iter_0000005" / "ucp.json") as f, \
+                open(work / f"C{src}2" / "iter_0000005" / "ucp.json") as g:
+            a, b = json.load(f), json.load(g)
+        assert {k: v for k, v in a.items() if k != "args"} == {k: v for k, v in b.items() if k != "args"}
     ok(w2, "c_moe_via_megatron")
     assert_same_state(work / "M" / "iter_0000005", work / "CMN" / "iter_0000005")
-    with pytest.raises(LayoutError, match="--via-megatron"):
-        convert(str(work / "MN"), str(work / "CMN2"), iteration=K, progress=False)
 
 
 @pytest.mark.parametrize("reference,resumed", [
