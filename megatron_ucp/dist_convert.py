@@ -221,7 +221,6 @@ class Atomic:
 class Plan:
     iteration: int
     sharding: str  # 'none', 'fully_reshardable' or 'dp_reshardable'
-    tp: int
     atomics: Dict[str, Atomic]
     head: dict  # the manifest without its tensors
     rng: Dict[int, dict]
@@ -420,7 +419,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
         "scheduler": common.get("opt_param_scheduler"), "args": mf.jsonable(stored),
     }
     reader.close()
-    return Plan(int(common["iteration"]), sharding, source.tensor_model_parallel_size, atomics, head, rng)
+    return Plan(int(common["iteration"]), sharding, atomics, head, rng)
 
 
 def _model_space_prefixes(reader: DcpReader, entry: "Atomic", holders: dict) -> dict:

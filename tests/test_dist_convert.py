@@ -76,3 +76,30 @@ def test_every_parameter_lives_on_exactly_one_pipeline_chunk(pp, vpp, per_chunk)
             assert homes == [(0, 0)]
         elif not name.startswith("decoder.layers"):
             assert homes == [(pp - 1, (vpp or 1) - 1)]
+
+
+@given(tp=st.integers(1, 4), pp=st.integers(1, 4), ep=st.integers(1, 4), etp=st.integers(1, 4),
+       dp=st.integers(1, 3), experts=st.booleans())
+def test_optimizer_domains_number_every_model_parallel_rank_once(tp, pp, ep, etp, dp, experts):
+    from types import SimpleNamespace
+
+    from megatron_ucp.dist_convert import _domains
+    from megatron_ucp.errors import LayoutError
+
+    world = tp * pp * dp * (ep if experts else 1) * (etp if experts else 1)
+    source = SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                             num_experts=8 if experts else None)
+    reader = SimpleNamespace(dir="ckpt")
+    if experts and ep == 1 and etp != tp:
+        with pytest.raises(LayoutError, match="--via-megatron"):
+            _domains(reader, source, world)
+        return
+    domains = _domains(reader, source, world)
+    assert [d.members for d in domains] == (["dense", "experts"] if experts and ep > 1 else ["all"])
+    for d in domains:
+        groups = [g for g, *_ in d.ranks]
+        assert sorted(groups) == list(range(len(groups)))
+        coords = {(r, t, e) for _, r, t, e in d.ranks}
+        assert len(coords) == len(groups)
+        assert d.dp * len(groups) == world  # data parallelism takes the remaining ranks
