@@ -212,6 +212,7 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
             for state, chunk in snapshot[item.key].items():
                 storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
                                    runs, chunk)
+        storage.start_writeback(path)  # the disk writes this file while this rank writes the next
 
     storage.in_parallel(write_file, list(by_file.values()))
     rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
@@ -220,12 +221,10 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
 def _checksum(tmp, entries, layouts, mine) -> dict:
     def one(name):
         path = os.path.join(tmp, entries[name]["file"])
-        storage.fsync_file(path)
-        return name, {
-            "file_size": layouts[name].file_size,
-            "block_bytes": storage.BLOCK_BYTES,
-            "checksums": storage.block_checksums(path, len(layouts[name].header), layouts[name].file_size),
-        }
+        checksums = storage.block_checksums(path, len(layouts[name].header), layouts[name].file_size)
+        storage.fsync_file(path)  # after hashing, which the page cache serves while the disk writes
+        return name, {"file_size": layouts[name].file_size, "block_bytes": storage.BLOCK_BYTES,
+                      "checksums": checksums}
 
     return dict(storage.in_parallel(one, list(mine)))
 

@@ -31,6 +31,19 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
 }
 DTYPE_NAMES: dict[np.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
+def _crc32():
+    """zlib-ng's crc32 where installed: the same sums, 8x faster here (21 vs 2.5 GB/s) with
+    carry-less multiplication; on two cores the checksums were the largest CPU cost of a save."""
+    try:
+        from zlib_ng import zlib_ng
+
+        return zlib_ng.crc32
+    except ImportError:
+        return zlib.crc32
+
+
+crc32 = _crc32()  # crc32(data, value=0) -> int, as zlib.crc32; both release the GIL
+
 MAX_HEADER_BYTES = 100 * 2**20
 BLOCK_BYTES = 4 * 2**20
 _IOV_MAX = 1024  # Linux's UIO_MAXIOV; also the POSIX minimum most systems exceed
@@ -423,7 +436,7 @@ def _crc_blocks(fd: int, path, start: int, stop: int, block_bytes: int):
         if done < hi - lo:
             raise IntegrityError(f"{path}: file ends at byte {lo + done}, inside checksummed block {i} "
                                  f"(bytes {lo}..{hi})")
-        yield i, lo, hi, f"{zlib.crc32(buf[:hi - lo]):08x}"
+        yield i, lo, hi, f"{crc32(buf[:hi - lo]):08x}"
 
 
 def _check_span(start: int, stop: int, block_bytes: int) -> None:
@@ -473,6 +486,36 @@ def verify_range(path, start: int, stop: int, checksums, block_bytes: int = BLOC
             if found != expected:
                 raise IntegrityError(f"{path}: block {first + i} (bytes {b_lo}..{b_hi}) has crc32 {found}, "
                                      f"expected {expected}")
+    finally:
+        os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_SYNC_RANGE = _sync_file_range()
+
+
+def start_writeback(path) -> None:
+    """Start writing the file's dirty pages to the disk without waiting (Linux), so the disk
+    works while the caller hashes; below the kernel's dirty-background threshold nothing would
+    reach it before the fsync. Best effort: durability comes from fsync_file."""
+    if _SYNC_RANGE is None:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _SYNC_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
     finally:
         os.close(fd)
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import time
 import uuid
-import zlib
 from typing import Callable, Dict
 
 import numpy as np
@@ -38,7 +37,7 @@ class _CrcWriter:
         pos, block = 0, storage.BLOCK_BYTES
         while pos < len(raw):
             take = min(block - self.filled, len(raw) - pos)
-            self.crc = zlib.crc32(raw[pos:pos + take], self.crc)
+            self.crc = storage.crc32(raw[pos:pos + take], self.crc)
             self.filled += take
             pos += take
             if self.filled == block:
@@ -62,6 +61,8 @@ def write_tensor_file(path: str, meta: dict, assemble: Callable[[str], Dict[str,
         for state in meta["states"]:
             parts = assemble(state)
             out.write(parts.pop(""))
+            f.flush()
+            storage.start_writeback(path)  # the disk writes this state while the next is assembled
             if PADDING in parts:
                 padding[state] = parts.pop(PADDING)
             del parts

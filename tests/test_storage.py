@@ -423,6 +423,14 @@ def test_tiny_and_missing_files(tmp_path):
 # ---------------------------------------------------------------- checksums
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=5000), st.integers(0, 2**32 - 1), st.integers(0, 5000))
+def test_fast_crc32_gives_zlibs_sums(data, start, cut):
+    """The checksums on disk are zlib's crc32 whichever implementation computed them."""
+    assert storage.crc32(data) == zlib.crc32(data)
+    assert storage.crc32(data[cut:], storage.crc32(data[:cut], start)) == zlib.crc32(data, start)
+
+
 def test_block_checksums_detect_and_locate_a_flipped_bit(tmp_path):
     bb = 64
     payload = np.random.default_rng(0).integers(0, 256, 10 * bb + 23, dtype=np.uint8).tobytes()
@@ -567,3 +575,15 @@ def test_safe_join_refuses_symlink_escape(tmp_path):
     for rel in ["link/x", "link", "passwd"]:
         with pytest.raises(FormatError, match="outside"):
             safe_join(str(root), rel)
+
+
+@pytest.mark.parametrize("linux", [True, False])
+def test_start_writeback_leaves_the_bytes_and_needs_no_linux(tmp_path, monkeypatch, linux):
+    if not linux:
+        monkeypatch.setattr(storage, "_SYNC_RANGE", None)
+    path = tmp_path / "w.bin"
+    payload = os.urandom(3 * 2**20)
+    path.write_bytes(payload)
+    storage.start_writeback(str(path))
+    storage.fsync_file(str(path))
+    assert path.read_bytes() == payload
