@@ -10,7 +10,7 @@ bandwidth measured in the same run, and the converter's peak memory against the 
    with `--ckpt-format torch|torch_dist --use-distributed-optimizer` (torch_dist: megatron's
    default `dp_reshardable` optimizer sharding).
 2. Disk baseline: write the converted byte count with fsync (the faster of a plain write and
-   one that starts writeback per 64 MiB, as the converter does), drop it from the page cache
+   one that starts writeback per 64 MiB, as the universal save does per file), drop it from the page cache
    (posix_fadvise), read it back.
 3. The checkpoint's files are dropped from the page cache the same way, then
    tools/convert_to_universal.py runs as a child process; its process tree's RSS is sampled.
@@ -63,8 +63,8 @@ def _write(path: Path, nbytes: int, block: bytes, kick: bool) -> float:
 
 def disk_baseline(directory: Path, nbytes: int, chunk: int = 64 * 2**20) -> dict:
     """Sequential write (fsync included) and read of `nbytes` in `directory`. The write is the
-    faster of a plain one and one that starts writeback after each chunk, as the converter does
-    (4-7x faster on this VM)."""
+    faster of a plain one and one that starts writeback after each chunk (4-7x faster on this
+    VM at times)."""
     path = directory / "disk_baseline.bin"
     block = os.urandom(chunk)
     plain_s = _write(path, nbytes, block, False)

@@ -61,8 +61,6 @@ def write_tensor_file(path: str, meta: dict, assemble: Callable[[str], Dict[str,
         for state in meta["states"]:
             parts = assemble(state)
             out.write(parts.pop(""))
-            f.flush()
-            storage.start_writeback(path)  # the disk writes this state while the next is assembled
             if PADDING in parts:
                 padding[state] = parts.pop(PADDING)
             del parts
