@@ -2,7 +2,7 @@
 against the disk's own sequential bandwidth, all measured in the same run (by hand, not in CI).
 
     python benchmarks/bench_checkpoint.py [--hidden-size 1152 --num-layers 8 --vocab-size 32000]
-        [--nproc 4] [--src tp2pp2] [--dst tp1dp4] [--rounds 3] [--workdir DIR] [--json out.json]
+        [--nproc 4] [--src tp2pp2] [--dst tp1dp4] [--rounds 5] [--workdir DIR] [--json out.json]
 
 The default state is about 2 GB of fp32 weights and Adam moments over 4 processes (peak about
 16.5 GiB in use on the machine during the run, most of it torch_dist's reshardable load);

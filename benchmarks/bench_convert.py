@@ -33,50 +33,29 @@ from pathlib import Path
 
 import psutil
 
-from megatron_ucp import storage
+from disk import CHUNK, drop_cache, sequential_read, sequential_write
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def drop_cache(path: Path) -> None:
-    """Evict a file's clean pages from the page cache, so the next read comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, nbytes: int, block: bytes, kick: bool) -> float:
+def _timed_write(path: Path, nbytes: int, block: bytes, kick: bool) -> float:
     start = time.perf_counter()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(block[:min(len(block), left)])
-            if kick:
-                f.flush()
-                storage.start_writeback(path)
-        f.flush()
-        os.fsync(f.fileno())
+    sequential_write(path, nbytes, block, kick)
     return time.perf_counter() - start
 
 
-def disk_baseline(directory: Path, nbytes: int, chunk: int = 64 * 2**20) -> dict:
+def disk_baseline(directory: Path, nbytes: int) -> dict:
     """Sequential write (fsync included) and read of `nbytes` in `directory`. The write is the
-    faster of a plain one and one that starts writeback after each chunk (4-7x faster on this
-    VM at times)."""
+    faster of a plain one and one that starts writeback after each chunk."""
     path = directory / "disk_baseline.bin"
-    block = os.urandom(chunk)
-    plain_s = _write(path, nbytes, block, False)
+    block = os.urandom(CHUNK)
+    plain_s = _timed_write(path, nbytes, block, False)
     path.unlink()
     os.sync()
-    write_s = min(plain_s, _write(path, nbytes, block, True))
+    write_s = min(plain_s, _timed_write(path, nbytes, block, True))
     drop_cache(path)
     start = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        while f.readinto(buf):
-            pass
+    sequential_read(path)
     read_s = time.perf_counter() - start
     path.unlink()
     os.sync()

@@ -13,6 +13,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from disk import CHUNK, drop_cache, sequential_read, sequential_write  # noqa: E402
 from megatron_ucp import storage  # noqa: E402
 from megatron_ucp.load import load_universal  # noqa: E402
 from megatron_ucp.save import save_universal  # noqa: E402
@@ -32,32 +33,11 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+ZEROS = bytes(CHUNK)
+
+
 def _share_file(work: str, nbytes: int) -> tuple[str, int]:
     return os.path.join(work, f"baseline_{dist.get_rank()}.bin"), nbytes // dist.get_world_size()
-
-
-def _write_share(path: str, share: int, kick: bool = False) -> None:
-    block = bytes(64 * 2**20)
-    with open(path, "wb") as f:
-        left = share
-        while left > 0:
-            left -= f.write(block[: min(left, len(block))])
-            if kick:
-                f.flush()
-                storage.start_writeback(path)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def drop_cache(path: str) -> None:
-    """Evict a file's (or a folder's files') clean pages, so the next read comes from the disk."""
-    paths = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def drop_cache_everywhere(path: str) -> None:
@@ -91,7 +71,7 @@ def disk_write(work: str, nbytes: int) -> dict:
     path, share = _share_file(work, nbytes)
     out = {"bytes": share * dist.get_world_size()}
     for key, kick in (("plain_write_s", False), ("writeback_write_s", True)):
-        out[key], _ = timed(lambda: _write_share(path, share, kick))
+        out[key], _ = timed(lambda: sequential_write(path, share, ZEROS, kick))
         os.unlink(path)
         os.sync()
         dist.barrier()
@@ -102,15 +82,9 @@ def disk_write(work: str, nbytes: int) -> dict:
 def disk_read(work: str, nbytes: int) -> dict:
     """Each rank reads its share of `nbytes` back from the disk (dropped from the page cache)."""
     path, share = _share_file(work, nbytes)
-    _write_share(path, share)
+    sequential_write(path, share, ZEROS, kick=False)
     drop_cache(path)
-
-    def read():
-        with open(path, "rb", buffering=0) as f:
-            while f.read(64 * 2**20):
-                pass
-
-    t, _ = timed(read)
+    t, _ = timed(lambda: sequential_read(path))
     os.unlink(path)
     os.sync()
     dist.barrier()
