@@ -10,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness import (
     BASE,
     REPO,
     assert_same_state,
+    atomic_tensors,
     losses,
     max_loss_delta,
     ok,
@@ -37,6 +39,9 @@ GQA = [
 ]
 VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 LEGACY = ["--ckpt-format", "torch"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+BF16 = ["--bf16"]
+BF16_TOL = 1e-3  # bf16 matmuls round differently when TP splits them: 7e-5 seen at loss 5.3
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
 
 
@@ -182,6 +187,12 @@ def w2(work, w4, converted, dist_converted, legacy_converted):
               save=d("S_async"), interval=K),
         train("b_async_tp1", DIST, load=d("S_async"), step=K),
         roundtrip("r_sp_tp1", DIST, d("S"), K, d("R_sp")),
+        # bf16 training, with and without the distributed optimizer: same-layout resume and TP2 -> DP2.
+        train("bf_tp2", BF16 + TP2 + DIST, save=d("BF"), interval=K),
+        train("bf_tp2_resume", BF16 + TP2 + DIST, load=d("BF"), step=K),
+        train("bf_dp2", BF16 + DIST, load=d("BF"), step=K),
+        train("bf_nodist_tp2", BF16 + TP2, save=d("BFN"), interval=K),
+        train("bf_nodist_dp2", BF16 + DIST, load=d("BFN"), step=K),
         # Layouts that must train (the loss falls).
         train("t_tp2", ["--tensor-model-parallel-size", "2"]),
         train("t_pp2", ["--pipeline-model-parallel-size", "2"]),
@@ -228,7 +239,8 @@ def _falls(history: dict) -> None:
     assert len(history) >= 10 and last < first - 0.1, f"loss did not fall: {history}"
 
 
-@pytest.mark.parametrize("name", ["t_tp2", "t_pp2", "t_dp2", "t_dp2_dist", "t_vpp", "a_tp2sp", "m_ep2"])
+@pytest.mark.parametrize("name", ["t_tp2", "t_pp2", "t_dp2", "t_dp2_dist", "t_vpp", "a_tp2sp", "m_ep2",
+                                  "bf_tp2", "bf_nodist_tp2"])
 def test_two_process_layouts_train(w2, name):
     _falls(losses(w2, name))
 
@@ -259,6 +271,26 @@ def test_same_layout_resume_is_bitwise(w4, w4n):
 @pytest.mark.parametrize("reference,resumed", [("m_ep2", "m_ep2_resume"), ("m_ep2_native", "m_ep2_native_resume")])
 def test_moe_same_layout_resume_is_bitwise(w2, reference, resumed):
     assert losses(w2, resumed) == {i: v for i, v in losses(w2, reference).items() if i > K}
+
+
+def test_bf16_resumes_bitwise_on_its_layout_and_closely_on_another(w2):
+    assert losses(w2, "bf_tp2_resume") == {i: v for i, v in losses(w2, "bf_tp2").items() if i > K}
+    assert max_loss_delta(losses(w2, "bf_tp2"), losses(w2, "bf_dp2")) <= BF16_TOL
+    assert max_loss_delta(losses(w2, "bf_nodist_tp2"), losses(w2, "bf_nodist_dp2")) <= BF16_TOL
+
+
+@pytest.mark.parametrize("checkpoint", ["BF", "BFN"])
+def test_bf16_checkpoints_hold_the_fp32_master_weights(w2, work, checkpoint):
+    """The atomic weights are the optimizer's fp32 masters, not the bf16 model copies: weights
+    rounded to bf16 would make every later step of a resumed run differ."""
+    import torch
+
+    tensors = atomic_tensors(work / checkpoint / f"iter_{K:07d}")
+    params = {name: a for (name, entry), a in tensors.items() if entry == "param"}
+    assert params and all(a.dtype == np.float32 for a in params.values())
+    for name, a in params.items():
+        rounded = torch.from_numpy(a.copy()).to(torch.bfloat16).float().numpy()
+        assert (a != rounded).mean() > 0.5, f"{checkpoint}: {name} holds bf16-rounded values"
 
 
 @pytest.mark.parametrize("reference,resumed", [
