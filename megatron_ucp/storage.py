@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import mmap
 import os
 import struct
 import zlib
@@ -167,6 +168,19 @@ def _io_threads() -> int:
 IO_THREADS = _io_threads()
 
 
+def _mapped_writes() -> bool:
+    raw = os.environ.get("UCP_MAPPED_WRITES", "1").strip()
+    if raw not in ("0", "1"):
+        raise ConfigError(f"environment variable UCP_MAPPED_WRITES={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
+# Many small runs (a TP rank's half of every row) are copied through a shared mapping of the
+# file where its blocks are reserved; UCP_MAPPED_WRITES=0 keeps every write a pwrite.
+MAPPED_WRITES = _mapped_writes()
+MAPPED_RUN_BYTES = 256 * 2**10  # groups smaller than this on average go through the mapping
+
+
 def read_threads() -> int:
     """Threads for reads: a read served from the page cache or a fast disk is a memory copy that
     keeps a core busy, so the ranks of this node share its cores (at most IO_THREADS each)."""
@@ -290,12 +304,14 @@ def write_runs(path, layout: TensorFileLayout, name: str, runs, data: np.ndarray
     flat = np.ascontiguousarray(data).reshape(-1)
     groups = _plan(runs, 1, layout.numel(name), flat.size, True, where)
     raw, isz, base = memoryview(flat.view(np.uint8)), layout.itemsize(name), layout.data_offset(name)
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_RDWR)  # a shared writable mapping needs read access too
     try:
-        size = os.fstat(fd).st_size
-        if size != layout.file_size:
-            raise LayoutError(f"{where}: file has {size} bytes but its layout needs {layout.file_size}; "
+        st = os.fstat(fd)
+        if st.st_size != layout.file_size:
+            raise LayoutError(f"{where}: file has {st.st_size} bytes but its layout needs {layout.file_size}; "
                               "was it created with create_tensor_file for this layout?")
+        if _map_these(groups, isz, st):
+            return _write_mapped(fd, raw, isz, base, groups)
         total = 0
         for fstart, parts in groups:
             views = [raw[bs * isz:(bs + ln) * isz] for bs, ln in parts]
@@ -307,6 +323,37 @@ def write_runs(path, layout: TensorFileLayout, name: str, runs, data: np.ndarray
         return total
     finally:
         os.close(fd)
+
+
+def _map_these(groups, isz: int, st: os.stat_result) -> bool:
+    """Copy through a mapping: many small groups, and every block of the file allocated
+    (reserve_space), so that no page fault can fail for want of space: that would be SIGBUS,
+    not an error."""
+    if not MAPPED_WRITES or len(groups) < 8 or not hasattr(st, "st_blocks"):
+        return False
+    nbytes = sum(ln for _, parts in groups for _, ln in parts) * isz
+    return nbytes < MAPPED_RUN_BYTES * len(groups) and st.st_blocks * 512 >= st.st_size
+
+
+def _write_mapped(fd: int, raw: memoryview, isz: int, base: int, groups) -> int:
+    """The groups' bytes copied into a shared mapping of the file range they span. On ext4 a
+    pwrite per 9 KiB run (a TP2 rank's half of a row) costs 4x the CPU per byte of large writes;
+    through the mapping it is a page fault per 4 KiB and a memcpy (2.7x less CPU measured).
+    Durability is unchanged: the pages are the page cache's, flushed by fsync."""
+    first = base + groups[0][0] * isz
+    last_start, last_parts = groups[-1]
+    end = base + (last_start + sum(ln for _, ln in last_parts)) * isz
+    lo = first - first % mmap.ALLOCATIONGRANULARITY
+    total = 0
+    with mmap.mmap(fd, end - lo, offset=lo) as m:
+        for fstart, parts in groups:
+            pos = base + fstart * isz - lo
+            for bs, ln in parts:
+                n = ln * isz
+                m[pos:pos + n] = raw[bs * isz:bs * isz + n]
+                pos += n
+                total += n
+    return total
 
 
 def read_runs(path, layout: TensorFileLayout, name: str, runs, out: np.ndarray,
@@ -344,14 +391,16 @@ def read_runs(path, layout: TensorFileLayout, name: str, runs, out: np.ndarray,
 
 
 def create_tensor_file(path, layout: TensorFileLayout) -> None:
-    """Write the header and extend the file (sparsely) to full size, so writers can then pwrite
-    in any order. Truncates an existing file: stale bytes must not survive a new save."""
+    """Write the header, extend the file to full size and reserve its blocks where the file
+    system can, so writers can then write in any order, and a full disk fails here, before
+    any tensor is written. Truncates an existing file: stale bytes must not survive a new save."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         done, _ = _vector_io(True, fd, [memoryview(layout.header)], 0)
         if done != len(layout.header):
             raise OSError(errno.EIO, f"{path}: wrote {done} of {len(layout.header)} header bytes")
         os.ftruncate(fd, layout.file_size)
+        reserve_space(fd, layout.file_size, path)
     finally:
         os.close(fd)
 
@@ -489,6 +538,37 @@ def verify_range(path, start: int, stop: int, checksums, block_bytes: int = BLOC
                                      f"expected {expected}")
     finally:
         os.close(fd)
+
+
+def _fallocate():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+_FALLOCATE = _fallocate()
+_NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def reserve_space(fd: int, size: int, path) -> bool:
+    """Allocate the blocks of [0, size) (fallocate, Linux), keeping the contents. Returns False
+    where the file system cannot (the file stays sparse); a full disk or quota raises OSError
+    naming the file."""
+    if _FALLOCATE is None or size == 0:
+        return False
+    if _FALLOCATE(fd, 0, 0, size) == 0:
+        return True
+    import ctypes
+
+    err = ctypes.get_errno()
+    if err in _NOT_SUPPORTED:
+        return False
+    raise OSError(err, f"{os.strerror(err)}: reserving {size} bytes for {path}")
 
 
 _SYNC_FILE_RANGE_WRITE = 2

@@ -87,7 +87,7 @@ def test_bad_entries_rejected(entries):
         TensorFileLayout.build(entries)
 
 
-def test_create_is_sparse_exact_size_and_truncates_old_content(tmp_path):
+def test_create_is_exact_size_reserved_and_truncates_old_content(tmp_path):
     path = str(tmp_path / "big.safetensors")
     with open(path, "wb") as f:
         f.write(b"\xff" * 100)
@@ -97,13 +97,133 @@ def test_create_is_sparse_exact_size_and_truncates_old_content(tmp_path):
     assert st_.st_size == lay.file_size
     with open(path, "rb") as f:
         assert f.read(len(lay.header) + 8) == lay.header + b"\0" * 8
-    if hasattr(st_, "st_blocks"):
-        assert st_.st_blocks * 512 < lay.file_size // 4, "create_tensor_file should not write the data section"
+    fd = os.open(path, os.O_RDWR)
+    try:  # where the file system can reserve blocks, create_tensor_file has reserved them all
+        reserved = storage.reserve_space(fd, lay.file_size, path)
+    finally:
+        os.close(fd)
+    if reserved and hasattr(st_, "st_blocks"):
+        assert st_.st_blocks * 512 >= lay.file_size, "create_tensor_file should reserve the file's blocks"
     small = _layout((8,))
     with open(path, "wb") as f:  # a stale file of the same size: its bytes must not survive
         f.write(b"\xff" * small.file_size)
     create_tensor_file(path, small)
     assert all(not a.any() for a in np_load_file(path).values())
+
+
+# ---------------------------------------------------------------- writes through a mapping
+
+
+def _half_rows(rows, cols):
+    """A TP2 rank's runs of a [rows, cols] tensor split by columns: the first half of each row."""
+    half = cols // 2
+    return [(r * half, r * cols, half) for r in range(rows)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 70), cols=st.integers(2, 40), dtype=st.sampled_from(["F32", "F16", "U8"]),
+       offset_rows=st.integers(0, 3))
+def test_mapped_and_positional_writes_give_the_same_file(tmp_path, rows, cols, dtype, offset_rows):
+    lay = _layout((rows + offset_rows, cols), dtype)
+    npdt = storage.SAFETENSORS_DTYPES[dtype]
+    data = {n: np.random.default_rng(rows * cols).integers(1, 100, (rows, cols // 2)).astype(npdt) for n in OPT}
+    runs = [(src, dst + offset_rows * cols, n) for src, dst, n in _half_rows(rows, cols)]
+    files = {}
+    for mapped in (True, False):
+        path = str(tmp_path / f"{mapped}.safetensors")
+        create_tensor_file(path, lay)
+        saved = storage.MAPPED_WRITES
+        storage.MAPPED_WRITES = mapped
+        try:
+            for n in OPT:
+                assert write_runs(path, lay, n, runs, data[n]) == data[n].nbytes
+        finally:
+            storage.MAPPED_WRITES = saved
+        files[mapped] = open(path, "rb").read()
+    assert files[True] == files[False]
+    loaded = np_load_file(str(tmp_path / "True.safetensors"))
+    for n in OPT:
+        np.testing.assert_array_equal(loaded[n][offset_rows:, : cols // 2], data[n])
+        assert not loaded[n][offset_rows:, cols // 2:].any() and not loaded[n][:offset_rows].any()
+
+
+def _spy_mapped(monkeypatch):
+    calls = []
+    real = storage._write_mapped
+    monkeypatch.setattr(storage, "_write_mapped", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_many_small_runs_go_through_the_mapping_only_where_blocks_are_reserved(tmp_path, monkeypatch):
+    lay = _layout((64, 96))
+    data = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    calls = _spy_mapped(monkeypatch)
+    monkeypatch.setattr(storage, "MAPPED_WRITES", True)
+    path = str(tmp_path / "reserved.safetensors")
+    create_tensor_file(path, lay)
+    write_runs(path, lay, "param", _half_rows(64, 96), data)
+    reserved = os.stat(path).st_blocks * 512 >= lay.file_size
+    assert len(calls) == int(reserved)  # the file system may not reserve (then: positional writes)
+    np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
+
+    calls.clear()  # a sparse file: a page fault could fail for want of space, so no mapping
+    monkeypatch.setattr(storage, "_FALLOCATE", None)
+    path = str(tmp_path / "sparse.safetensors")
+    create_tensor_file(path, lay)
+    write_runs(path, lay, "param", _half_rows(64, 96), data)
+    assert calls == []
+    np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
+
+    calls.clear()  # one large run: a positional write is cheaper than the page faults
+    monkeypatch.setattr(storage, "_FALLOCATE", storage._fallocate())
+    path = str(tmp_path / "large.safetensors")
+    create_tensor_file(path, lay)
+    write_runs(path, lay, "param", [(0, 0, 64 * 48)], data)
+    assert calls == []
+
+
+def _failing_fallocate(err):
+    import ctypes
+
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(err)
+        return -1
+    return fallocate
+
+
+def test_a_full_disk_fails_at_creation_naming_the_file(tmp_path, monkeypatch):
+    import errno
+
+    monkeypatch.setattr(storage, "_FALLOCATE", _failing_fallocate(errno.ENOSPC))
+    path = str(tmp_path / "full.safetensors")
+    with pytest.raises(OSError) as e:
+        create_tensor_file(path, _layout((1024,)))
+    assert e.value.errno == errno.ENOSPC and path in str(e.value)
+
+
+def test_a_file_system_without_fallocate_keeps_sparse_files(tmp_path, monkeypatch):
+    import errno
+
+    monkeypatch.setattr(storage, "_FALLOCATE", _failing_fallocate(errno.EOPNOTSUPP))
+    calls = _spy_mapped(monkeypatch)
+    lay = _layout((64, 96))
+    path = str(tmp_path / "sparse.safetensors")
+    create_tensor_file(path, lay)
+    assert os.stat(path).st_blocks * 512 < lay.file_size
+    data = np.ones((64, 48), np.float32)
+    write_runs(path, lay, "param", _half_rows(64, 96), data)
+    assert calls == []
+    np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
+
+
+def test_mapped_writes_switch_must_be_0_or_1(monkeypatch):
+    from megatron_ucp.errors import ConfigError
+
+    monkeypatch.setenv("UCP_MAPPED_WRITES", "yes")
+    with pytest.raises(ConfigError, match="UCP_MAPPED_WRITES"):
+        storage._mapped_writes()
+    monkeypatch.setenv("UCP_MAPPED_WRITES", "0")
+    assert storage._mapped_writes() is False
 
 
 # ---------------------------------------------------------------- concurrent writers
@@ -271,6 +391,7 @@ def test_adjacent_runs_are_coalesced(filled, monkeypatch):
         assert counter.calls == 1
         np.testing.assert_array_equal(out.reshape(100, 10), arrays["param"].reshape(100, 10)[::-1])
     if hasattr(os, "pwritev"):
+        monkeypatch.setattr(storage, "MAPPED_WRITES", False)  # positional writes, counted here
         calls = []  # number of buffers per syscall
         real = os.pwritev
         monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
