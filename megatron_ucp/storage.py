@@ -10,6 +10,7 @@ torch.distributed; arrays are numpy (callers pass ``tensor.numpy()``).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import math
@@ -540,18 +541,17 @@ def verify_range(path, start: int, stop: int, checksums, block_bytes: int = BLOC
         os.close(fd)
 
 
-def _fallocate():
+def _libc(name: str, argtypes: list):
+    """A Linux libc call through ctypes (errno kept), or None where there is none."""
     try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):  # not Linux
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes = argtypes
     return fn
 
 
-_FALLOCATE = _fallocate()
+_FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 _NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -563,8 +563,6 @@ def reserve_space(fd: int, size: int, path) -> bool:
         return False
     if _FALLOCATE(fd, 0, 0, size) == 0:
         return True
-    import ctypes
-
     err = ctypes.get_errno()
     if err in _NOT_SUPPORTED:
         return False
@@ -574,18 +572,7 @@ def reserve_space(fd: int, size: int, path) -> bool:
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _sync_file_range():
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # not Linux
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    return fn
-
-
-_SYNC_RANGE = _sync_file_range()
+_SYNC_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
 
 
 def start_writeback(path) -> bool:

@@ -167,6 +167,7 @@ def test_many_small_runs_go_through_the_mapping_only_where_blocks_are_reserved(t
     np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
 
     calls.clear()  # a sparse file: a page fault could fail for want of space, so no mapping
+    real_fallocate = storage._FALLOCATE
     monkeypatch.setattr(storage, "_FALLOCATE", None)
     path = str(tmp_path / "sparse.safetensors")
     create_tensor_file(path, lay)
@@ -175,7 +176,7 @@ def test_many_small_runs_go_through_the_mapping_only_where_blocks_are_reserved(t
     np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
 
     calls.clear()  # one large run: a positional write is cheaper than the page faults
-    monkeypatch.setattr(storage, "_FALLOCATE", storage._fallocate())
+    monkeypatch.setattr(storage, "_FALLOCATE", real_fallocate)
     path = str(tmp_path / "large.safetensors")
     create_tensor_file(path, lay)
     write_runs(path, lay, "param", [(0, 0, 64 * 48)], data)
