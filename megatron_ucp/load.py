@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import rng, storage
+from megatron_ucp import host_memory, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
@@ -41,14 +41,15 @@ def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
 def _read_range(path, entry, layout, t, state, start, stop, counter, out=None) -> np.ndarray:
     """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
 
-    Reads into `out` (stop - start fp32 elements) when given, else into a new array.
+    Reads into `out` (stop - start fp32 elements) when given, else into a new array (on huge
+    pages: it is filled at once).
     """
     held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
                   entry["padding_rows"] if t.rule.kind == "vocab" else None)
     regions = fragment_regions(held, start, stop)
     if out is None:
-        out = np.zeros(stop - start, dtype=np.float32)
-    elif sum(r.numel for _, r in regions) != stop - start:
+        out = host_memory.empty_fp32(stop - start)
+    if sum(r.numel for _, r in regions) != stop - start:
         out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
     part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
     for local_start, region in regions:

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from megatron_ucp import host_memory
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.layout import Rule, atomic_shape_from_local, layer_offset
 
@@ -72,11 +73,12 @@ def _inner_optimizers(optimizer) -> list:
 def ensure_adam_state(inner, overwritten: bool = False) -> None:
     """Give every param of a torch Adam its initial state (step 0, zero moments) if absent.
 
-    `overwritten`: a load is about to fill every moment, so they are allocated, not zeroed.
+    `overwritten`: a load is about to fill every moment, so they are allocated (on huge
+    pages where the kernel allows), not zeroed.
     """
     from megatron_ucp.compat import init_torch_adam_state
 
-    init_torch_adam_state(inner, torch.empty_like if overwritten else torch.zeros_like)
+    init_torch_adam_state(inner, host_memory.empty_like if overwritten else torch.zeros_like)
 
 
 def optimizer_fragments(optimizer, for_load: bool = False) -> Dict[torch.nn.Parameter, Fragment]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import ownership, rng, storage
+from megatron_ucp import host_memory, ownership, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
@@ -193,7 +193,7 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
             if copy:
                 buf = staging.get((item.key, state)) if staging is not None else None
                 if buf is None or buf.shape != chunk.shape:
-                    buf = np.empty_like(chunk)
+                    buf = host_memory.empty_fp32(chunk.size).reshape(chunk.shape)
                 np.copyto(buf, chunk)
                 chunk = buf
             out[item.key][state] = chunk

@@ -541,7 +541,7 @@ def verify_range(path, start: int, stop: int, checksums, block_bytes: int = BLOC
         os.close(fd)
 
 
-def _libc(name: str, argtypes: list):
+def libc_function(name: str, argtypes: list):
     """A Linux libc call through ctypes (errno kept), or None where there is none."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
@@ -551,7 +551,7 @@ def _libc(name: str, argtypes: list):
     return fn
 
 
-_FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_FALLOCATE = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 _NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
@@ -572,7 +572,7 @@ def reserve_space(fd: int, size: int, path) -> bool:
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-_SYNC_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
+_SYNC_RANGE = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
 
 
 def start_writeback(path) -> bool:
