@@ -10,9 +10,10 @@ The default state is about 2 GB of fp32 weights and Adam moments over 4 processe
 Times include fsync for every writer (ours, torch_dist's, and the baseline, which is the faster
 of a plain sequential write and one that starts writeback after each 64 MiB). Every load and
 the read baseline read from the disk: their files are dropped from the page cache first
-(posix_fadvise DONTNEED, no root needed). The save is timed in `--rounds` pairs with the disk
-baseline right before it, and its ratio is the median pair's; the job's first save, whose
-page-cache memory is fresh, is printed apart.
+(posix_fadvise DONTNEED, no root needed). The save and the universal load are each timed in
+`--rounds` pairs with a disk baseline of the same bytes right before, and their ratios are the
+median pair's; the job's first save, whose page-cache memory is fresh, is printed apart. Each
+universal load starts without optimizer state and allocates it, as a job's first load does.
 """
 
 import argparse
@@ -43,7 +44,7 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--src", default="tp2pp2", choices=LAYOUTS)
     p.add_argument("--dst", default="tp1dp4", choices=LAYOUTS)
-    p.add_argument("--rounds", type=int, default=5, help="(disk baseline, universal save) pairs")
+    p.add_argument("--rounds", type=int, default=5, help="(disk baseline, universal save) and (read baseline, universal loads) rounds")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -66,22 +67,30 @@ def main() -> int:
     subprocess.run(cmd, check=True, env=env)
     (work / "spec.json").write_text(json.dumps(dict(spec, phase="load")))  # fresh processes
     cmd[cmd.index("--master-port") + 1] = str(port + 1) if port < 65535 else str(port - 1)
-    subprocess.run(cmd, check=True, env=env)
+    # A fixed mmap threshold: glibc would otherwise serve later rounds' moments from memory
+    # the previous round freed, where a job's first load touches fresh pages.
+    subprocess.run(cmd, check=True, env=dict(env, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)))
     r = json.loads(out.read_text())
     gb = r["checkpoint_bytes"] / 1e9
     rounds = list(zip(r["disk_rounds"], r["universal_save_rounds_s"]))
     r["universal_save_s"] = statistics.median(r["universal_save_rounds_s"])
     save_vs_disk = statistics.median(gb / t / (d["bytes"] / d["write_s"] / 1e9) for d, t in rounds)
     disk_w = statistics.median(d["bytes"] / d["write_s"] / 1e9 for d, _ in rounds)
-    disk_r = r["disk_read"]["bytes"] / r["disk_read"]["read_s"] / 1e9
+    reads = [d["bytes"] / d["read_s"] / 1e9 for d in r["disk_read_rounds"]]
+    disk_r = statistics.median(reads)
+    loads = {}
+    for key in ("universal_resharded_load", "universal_resharded_load_verified"):
+        times = r[f"{key}_rounds_s"]
+        r[f"{key}_s"] = statistics.median(times)
+        loads[key] = statistics.median(gb / t / d for t, d in zip(times, reads))
     rows = [
         ("universal save", r["universal_save_s"], save_vs_disk,
          r["torch_dist_dp_reshardable_save_s"] / r["universal_save_s"]),
         (f"universal load {a.src}->{a.dst}", r["universal_resharded_load_s"],
-         gb / r["universal_resharded_load_s"] / disk_r,
+         loads["universal_resharded_load"],
          r["torch_dist_fully_reshardable_resharded_load_s"] / r["universal_resharded_load_s"]),
         ("  same, with checksum verification", r["universal_resharded_load_verified_s"],
-         gb / r["universal_resharded_load_verified_s"] / disk_r,
+         loads["universal_resharded_load_verified"],
          r["torch_dist_fully_reshardable_resharded_load_s"] / r["universal_resharded_load_verified_s"]),
         ("torch_dist save (dp_reshardable)", r["torch_dist_dp_reshardable_save_s"], None, None),
         ("torch_dist save (fully_reshardable)", r["torch_dist_fully_reshardable_save_s"], None, None),
@@ -94,8 +103,13 @@ def main() -> int:
     print("save rounds (disk baseline write s, universal save s, ratio): " + ", ".join(
         f"({d['write_s']:.2f}, {t:.2f}, {gb / t / (d['bytes'] / d['write_s'] / 1e9):.2f}x)" for d, t in rounds)
         + f"; the job's first save {r['universal_first_save_s']:.2f} s (fresh page-cache memory)")
-    print("the table's save row: the median round; every load reads from the disk (files dropped from "
-          "the page cache), as the read baseline does")
+    print("load rounds (disk baseline read s, load s, verified load s): " + ", ".join(
+        f"({d['read_s']:.2f}, {t:.2f}, {v:.2f})" for d, t, v in zip(
+            r["disk_read_rounds"], r["universal_resharded_load_rounds_s"],
+            r["universal_resharded_load_verified_rounds_s"])))
+    print("the table's save and load rows: the median round's ratio and seconds; every load reads from "
+          "the disk (files dropped from the page cache), as the read baseline does, into moments it "
+          "allocates, as a job's first load does")
     print(f"{'operation':50s} {'seconds':>9s} {'x disk bw':>10s} {'torch_dist / ours':>18s}")
     for name, seconds, vs_disk, vs_td in rows:
         f = lambda x: f"{x:10.2f}" if x is not None else f"{'':10s}"  # noqa: E731
@@ -115,7 +129,7 @@ def main() -> int:
              for m in mem]
     print(f"resharded load, per rank: training state {[round(m['state_mib']) for m in mem]} MiB; the load's "
           f"peak RSS beyond the state it allocates: {[round(x) for x in extra]} MiB")
-    print(f"peak RSS per rank over the whole load process (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
+    print(f"peak RSS per rank over the loads, torch_dist's included (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
     return 0

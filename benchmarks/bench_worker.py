@@ -1,5 +1,6 @@
 """One torchrun group of the checkpoint benchmark (see bench_checkpoint.py, which launches it)."""
 
+import gc
 import json
 import os
 import resource
@@ -30,7 +31,18 @@ def timed(fn):
 
 
 def rss_mib() -> float:
+    """The process's peak RSS so far (since the last reset_peak_rss)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> None:
+    """Start the peak over from the current RSS (Linux 4.0+), so that a peak measured after a
+    load is the load's, not the model build's (whose temporaries are returned to the system)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # elsewhere the peak is the process's: an upper bound
 
 
 ZEROS = bytes(CHUNK)
@@ -185,37 +197,56 @@ def state_bytes(state) -> int:
     return total
 
 
+def forget_optimizer_state(state) -> None:
+    """Drop Adam's moments, so that the next load allocates them as a job's first load does."""
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        opt.optimizer.state.clear()
+    gc.collect()
+
+
 def load_phase(spec: dict, out_path: str) -> None:
-    """The resharded loads, in processes of their own, so that peak RSS is the load's."""
+    """The resharded loads, in processes of their own, so that peak RSS is the load's.
+
+    Every universal load is a job's first load: it reads from the disk (the files dropped from
+    the page cache, as the read baseline's are) into moments it allocates (state dropped before
+    each; bench_checkpoint runs these processes with a fixed malloc mmap threshold, so that each
+    allocation is fresh memory). The loads are timed in rounds, each right after a read
+    baseline of the same bytes, as the saves are."""
     import psutil
 
     work, base = spec["work"], spec["model"]
     uni, td_full = os.path.join(work, "universal"), os.path.join(work, "td_full")
     results = json.load(open(out_path)) if os.environ.get("RANK", "0") == "0" else {}
+    nbytes = checkpoint_bytes(iteration_dir(uni, 1))
     with loop.session(base + spec["dst"]) as (args, state):
+        reset_peak_rss()
         rss_built = psutil.Process().memory_info().rss / 2**20
         state_built = state_bytes(state) / 2**20  # no optimizer state yet: the load makes it
-        # Every load reads from the disk, as the baseline does: the files are dropped from the
-        # page cache first (a job resumes long after the save).
-        results["disk_read"] = disk_read(work, checkpoint_bytes(iteration_dir(uni, 1)))
+
+        def first_load(verify: bool, counter=None) -> float:
+            forget_optimizer_state(state)
+            drop_cache_everywhere(uni)
+            return timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
+                                                vocab_size=args.vocab_size, counter=counter,
+                                                verify=verify))[0]
+
         counter = storage.ReadCounter()
-        drop_cache_everywhere(uni)
-        t, r = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
-                                            vocab_size=args.vocab_size, counter=counter, verify=False))
-        results["universal_resharded_load_s"] = t
+        results["disk_read_rounds"] = [disk_read(work, nbytes)]
+        results["universal_resharded_load_rounds_s"] = [first_load(False, counter)]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, counter.bytes)
         results["universal_load_bytes_read_per_rank"] = gathered
-        # Peak RSS of the first load (the process peak so far) against what the rank must hold.
+        # Peak RSS of the first load against what the rank must hold.
         memory = [None] * dist.get_world_size()
         dist.all_gather_object(memory, {"rss_before_load_mib": rss_built, "peak_rss_load_mib": rss_mib(),
                                         "state_before_load_mib": state_built,
                                         "state_mib": state_bytes(state) / 2**20})
         results["load_memory_per_rank"] = memory
-        drop_cache_everywhere(uni)
-        t, r = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
-                                            vocab_size=args.vocab_size, verify=True))
-        results["universal_resharded_load_verified_s"] = t
+        results["universal_resharded_load_verified_rounds_s"] = [first_load(True)]
+        for _ in range(spec["rounds"] - 1):
+            results["disk_read_rounds"].append(disk_read(work, nbytes))
+            results["universal_resharded_load_rounds_s"].append(first_load(False))
+            results["universal_resharded_load_verified_rounds_s"].append(first_load(True))
         args.dist_ckpt_optim_format = "fully_reshardable"
         drop_cache_everywhere(td_full)
         t, _ = timed(lambda: native.load(args, state, iteration_dir(td_full, 1)))
