@@ -45,7 +45,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 def empty_like(tensor: torch.Tensor) -> torch.Tensor:
-    """torch.empty_like, on huge pages where it is a CPU tensor of at least two of them."""
+    """torch.empty_like, on huge pages where it is a CPU tensor spanning whole ones."""
     out = torch.empty_like(tensor)
     advise_huge_pages(out)
     return out

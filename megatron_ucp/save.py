@@ -189,14 +189,15 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
         offset, data = sources[item.key]
         out[item.key] = {}
         for state in data:
-            chunk = _to_numpy(data[state][offset:offset + item.region.numel])
-            if copy:
+            source = data[state][offset:offset + item.region.numel]
+            if copy:  # one pass from the source (any device, any dtype) into the staging buffer
                 buf = staging.get((item.key, state)) if staging is not None else None
-                if buf is None or buf.shape != chunk.shape:
-                    buf = host_memory.empty_fp32(chunk.size).reshape(chunk.shape)
-                np.copyto(buf, chunk)
-                chunk = buf
-            out[item.key][state] = chunk
+                if buf is None or buf.shape != (item.region.numel,):
+                    buf = host_memory.empty_fp32(item.region.numel)
+                torch.from_numpy(buf).copy_(source.detach())
+                out[item.key][state] = buf
+            else:
+                out[item.key][state] = _to_numpy(source)
     return out
 
 

@@ -2,6 +2,7 @@
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -65,3 +66,32 @@ def test_huge_pages_opt_out(monkeypatch):
 def test_small_or_device_tensors_are_left_alone():
     assert host_memory.advise_huge_pages(torch.zeros(1000)) is False  # no whole huge page inside
     assert host_memory.advise_huge_pages(torch.zeros(3_000_000, device="meta")) is False
+
+
+def _item(name, numel):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(key=(name, 0), region=SimpleNamespace(numel=numel))
+
+
+def test_async_snapshot_copies_any_dtype_into_reused_fp32_staging():
+    """The async stall's copy: one pass from the source (bf16 here) into fp32 staging buffers,
+    which the next save reuses; a sync save gets views of fp32 sources, no copy."""
+    from megatron_ucp.save import _snapshot
+
+    weight = torch.randn(3_000_000, dtype=torch.bfloat16)
+    moment = torch.randn(1_000_000)
+    items = [_item("w", 2_000_000), _item("m", 1_000_000)]
+    sources = {("w", 0): (500_000, {"param": weight}), ("m", 0): (0, {"exp_avg": moment})}
+    first = _snapshot(items, sources, None, copy=True, staging={})
+    w = first[("w", 0)]["param"]
+    assert w.dtype == np.float32 and w.shape == (2_000_000,)
+    assert torch.equal(torch.from_numpy(w), weight[500_000:2_500_000].float())
+    weight.mul_(2)  # training goes on; the snapshot must not move
+    assert torch.equal(torch.from_numpy(w), (weight[500_000:2_500_000] / 2).float())
+    staging = {(("w", 0), "param"): w, (("m", 0), "exp_avg"): first[("m", 0)]["exp_avg"]}
+    second = _snapshot(items, sources, None, copy=True, staging=staging)
+    assert second[("w", 0)]["param"] is w  # the same buffer, refilled
+    assert torch.equal(torch.from_numpy(w), weight[500_000:2_500_000].float())
+    sync = _snapshot(items[1:], sources, None, copy=False)
+    assert np.shares_memory(sync[("m", 0)]["exp_avg"], moment.numpy())
