@@ -101,3 +101,95 @@ def check_coverage(part_shapes, plan) -> None:
     errors = coverage_errors(part_shapes, plan)
     if errors:
         raise IncompleteCheckpointError("save plan does not cover the model: " + "; ".join(errors[:5]))
+
+
+# Whole rows from split columns. Under TP a column-split tensor (row-parallel linears) gives
+# each rank a few KiB of every row; ranks writing interleaved halves into the same pages cost
+# the save about a fifth of the disk's rate. Instead, the ranks holding the column blocks of the
+# same rows exchange them, and each writes a share of the rows whole.
+
+SHORT_ROW_BYTES = 256 * 2**10  # column blocks narrower than this are merged into whole rows
+
+
+@dataclass(frozen=True)
+class ColumnBlock:
+    """Rank `rank`'s columns [columns) of a merged item's rows, taken from its offered item
+    `source` (a region of box shape (rows, width)), box rows [rows)."""
+
+    rank: int
+    source: Tuple
+    rows: Tuple[int, int]
+    columns: Tuple[int, int]
+
+
+@dataclass(frozen=True)
+class RowMerge:
+    """`writer` writes `item` (whole rows) once every block has reached it."""
+
+    item: WriteItem
+    writer: int
+    blocks: Tuple[ColumnBlock, ...]
+
+
+def _column_block(item: WriteItem, part_shape) -> bool:
+    region = item.region
+    return (len(part_shape) == 2 and len(region.shape) == 2 and region.offset[0] == 0
+            and region.shape[0] == part_shape[0] and 0 < region.shape[1] < part_shape[1]
+            and part_shape[1] % region.shape[1] == 0 and region.offset[1] % region.shape[1] == 0
+            and region.shape[1] * 4 < SHORT_ROW_BYTES)
+
+
+def merge_rows(offers: Sequence[Sequence[WriteItem]], part_shapes: Dict[Tuple[str, str], tuple]):
+    """Offers in which each complete set of column blocks of the same rows (same tensor, range
+    and width, one rank per column offset) becomes whole-row items, one share per member, plus
+    the partial rows at the range's ends, which stay as they were.
+
+    Returns (offers, sets, ends): sets[(merged key, rank)] holds the blocks the rank needs to
+    write that merged item; ends[(end key, rank)] is the offered item whose data an end's
+    partial rows are part of. Ranks holding the same block (replicas) form separate sets, so
+    that the writer the plan picks receives only from its own set.
+    """
+    by_rows: Dict[Tuple, Dict[int, List[Tuple[int, WriteItem]]]] = defaultdict(lambda: defaultdict(list))
+    for rank, offer in enumerate(offers):
+        for item in offer:
+            shape = part_shapes.get((item.name, item.region.part))
+            if shape is not None and _column_block(item, shape):
+                r = item.region
+                by_rows[(item.name, r.part, r.shape, r.start, r.stop)][r.offset[1]].append((rank, item))
+    removed, added, sets, ends = set(), defaultdict(list), {}, {}
+    for (name, part, (rows, width), start, stop), columns in by_rows.items():
+        full_width = part_shapes[(name, part)][1]
+        holders = {len(h) for h in columns.values()}
+        if sorted(columns) != list(range(0, full_width, width)) or len(holders) != 1:
+            continue  # some column block is missing or held unevenly: leave them as they are
+        first, last = -(-start // width), stop // width  # whole rows of the range
+        members = full_width // width
+        if last - first < members:
+            continue
+        for group in zip(*(columns[c] for c in sorted(columns))):  # one holder per column block
+            for q, (rank, item) in enumerate(group):
+                removed.add((rank, item.key))
+                states = item.nbytes // (item.region.numel * 4)
+                lo = first + (last - first) * q // members
+                hi = first + (last - first) * (q + 1) // members
+                merged = WriteItem(name, Region(part, (lo, 0), (hi - lo, full_width), 0, (hi - lo) * full_width),
+                                   (hi - lo) * full_width * 4 * states)
+                added[rank].append(merged)
+                sets[(merged.key, rank)] = tuple(
+                    ColumnBlock(r, it.key, (lo, hi), (it.region.offset[1], it.region.offset[1] + width))
+                    for r, it in group)
+                for a, b in ((start, first * width), (last * width, stop)):
+                    if a < b:
+                        end = WriteItem(name, Region(part, item.region.offset, item.region.shape, a, b),
+                                        (b - a) * 4 * states)
+                        added[rank].append(end)
+                        ends[(end.key, rank)] = item.key
+    out = [[item for item in offer if (rank, item.key) not in removed] + added[rank]
+           for rank, offer in enumerate(offers)]
+    return out, sets, ends
+
+
+def row_merges(plan: Sequence[Sequence[WriteItem]], sets) -> List[RowMerge]:
+    """The exchanges a plan needs: for each merged item, its writer and its set's blocks."""
+    return [RowMerge(item, rank, sets[(item.key, rank)])
+            for rank, items in enumerate(plan) for item in items if (item.key, rank) in sets]

@@ -29,7 +29,8 @@ from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
-from megatron_ucp.plan import WriteItem, assign_files, assign_writers, check_coverage
+from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
+                               row_merges)
 
 
 def current_layout(optimizer) -> dict:
@@ -141,22 +142,46 @@ def _plan(tensors, states, with_optimizer: bool):
     dist.all_gather_object(digests, digest)
     cached = _PLAN_CACHE.get(tuple(digests))
     if cached is not None:
-        return (cached[0], sources) + cached[1:]
+        plan, merges, ends, entries, part_shapes = cached
+        return plan, merges, _with_ends(sources, ends), entries, part_shapes
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (offers, entries_here))
     entries = {}
     for _, e in gathered:
         entries.update(e)
-    plan = assign_writers([o for o, _ in gathered])
     part_shapes = {}
     for name, e in entries.items():
         part_shapes[(name, "")] = tuple(e["shape"])
         if e["padding_rows"]:
             part_shapes[(name, "padding")] = padding_shape(e["shape"], e["padding_rows"])
+    offers_all, sets, ends = [o for o, _ in gathered], {}, {}
+    if _merging_rows():
+        offers_all, sets, ends = merge_rows(offers_all, part_shapes)
+    plan = assign_writers(offers_all)
+    merges = row_merges(plan, sets)
     check_coverage(part_shapes, plan)
+    ends = {key: source for (key, rank), source in ends.items() if rank == dist.get_rank()}
     _PLAN_CACHE.clear()  # one layout at a time
-    _PLAN_CACHE[tuple(digests)] = (plan, entries, part_shapes)
-    return plan, sources, entries, part_shapes
+    _PLAN_CACHE[tuple(digests)] = (plan, merges, ends, entries, part_shapes)
+    return plan, merges, _with_ends(sources, ends), entries, part_shapes
+
+
+def _with_ends(sources: dict, ends: dict) -> dict:
+    """Sources for the partial rows left at the ends of merged ranges: slices of the data of
+    the item they were cut from."""
+    out = dict(sources)
+    for key, source in ends.items():
+        offset, data = sources[source]
+        out[key] = (offset + key[1].start - source[1].start, data)
+    return out
+
+
+def _merging_rows() -> bool:
+    """UCP_MERGE_ROWS=0 writes split columns where they are (each rank its part of every row)."""
+    value = os.environ.get("UCP_MERGE_ROWS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"UCP_MERGE_ROWS must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def _create_files(tmp, entries, layouts, mine) -> None:
@@ -198,6 +223,62 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
                 out[item.key][state] = buf
             else:
                 out[item.key][state] = _to_numpy(source)
+    return out
+
+
+def _p2p_device() -> torch.device:
+    """Where the default group's point-to-point operations take tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _column_block(block, source) -> torch.Tensor:
+    """Block `block` of this rank's offered region: (states, rows, width), fp32, contiguous."""
+    (_, region), (offset, data) = block.source, source
+    width = region.shape[1]
+    lo = offset + block.rows[0] * width - region.start
+    hi = offset + block.rows[1] * width - region.start
+    rows = block.rows[1] - block.rows[0]
+    return torch.stack([data[s][lo:hi].detach().view(rows, width).to(torch.float32) for s in data])
+
+
+def _gather_rows(merges, rank, sources, staging) -> dict:
+    """Snapshot arrays of the whole-row items this rank writes: its own column blocks copied,
+    its peers' received; its blocks of the rows other ranks write are sent to them. Collective
+    over the ranks of each merge (point-to-point, in the plan's order on every rank)."""
+    out, ops, received = {}, [], []
+    device = _p2p_device()
+    for m in merges:
+        mine = [b for b in m.blocks if b.rank == rank]
+        if m.writer != rank:
+            for b in mine:
+                ops.append(dist.P2POp(dist.isend, _column_block(b, sources[b.source]).to(device), m.writer))
+            continue
+        region = m.item.region
+        rows, width = region.shape
+        states = list(sources[mine[0].source][1])
+        bufs = {}
+        for state in states:
+            buf = staging.get((m.item.key, state)) if staging is not None else None
+            if buf is None or buf.shape != (region.numel,):
+                buf = host_memory.empty_fp32(region.numel)
+            bufs[state] = buf
+        out[m.item.key] = bufs
+        for b in m.blocks:
+            if b.rank == rank:
+                received.append((bufs, b, _column_block(b, sources[b.source])))
+            else:
+                recv = torch.empty((len(states), rows, b.columns[1] - b.columns[0]), device=device)
+                ops.append(dist.P2POp(dist.irecv, recv, b.rank))
+                received.append((bufs, b, recv))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    for bufs, b, block in received:
+        for i, buf in enumerate(bufs.values()):
+            full = torch.from_numpy(buf).view(block.shape[1], -1)
+            full[:, b.columns[0]:b.columns[1]].copy_(block[i])
     return out
 
 
@@ -283,9 +364,12 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     rank = dist.get_rank()
     states = mf.STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
-    plan, sources, entries, part_shapes = _plan(tensors, states, optimizer is not None)
+    plan, merges, sources, entries, part_shapes = _plan(tensors, states, optimizer is not None)
     staging = _STAGING.take() if async_save else None
-    snapshot = _snapshot(plan[rank], sources, states, copy=async_save, staging=staging)
+    merged = {m.item.key for m in merges if m.writer == rank}
+    snapshot = _snapshot([i for i in plan[rank] if i.key not in merged], sources, states,
+                         copy=async_save, staging=staging)
+    snapshot.update(_gather_rows(merges, rank, sources, staging))
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
                           consumed_samples, args) if rank == 0 else None
     job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, entries,
