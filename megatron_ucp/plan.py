@@ -131,7 +131,7 @@ class RowMerge:
     blocks: Tuple[ColumnBlock, ...]
 
 
-def _column_block(item: WriteItem, part_shape) -> bool:
+def _is_column_block(item: WriteItem, part_shape) -> bool:
     region = item.region
     return (len(part_shape) == 2 and len(region.shape) == 2 and region.offset[0] == 0
             and region.shape[0] == part_shape[0] and 0 < region.shape[1] < part_shape[1]
@@ -153,7 +153,7 @@ def merge_rows(offers: Sequence[Sequence[WriteItem]], part_shapes: Dict[Tuple[st
     for rank, offer in enumerate(offers):
         for item in offer:
             shape = part_shapes.get((item.name, item.region.part))
-            if shape is not None and _column_block(item, shape):
+            if shape is not None and _is_column_block(item, shape):
                 r = item.region
                 by_rows[(item.name, r.part, r.shape, r.start, r.stop)][r.offset[1]].append((rank, item))
     removed, added, sets, ends = set(), defaultdict(list), {}, {}

@@ -243,23 +243,19 @@ def _column_block(block, source) -> torch.Tensor:
     return torch.stack([data[s][lo:hi].detach().view(rows, width).to(torch.float32) for s in data])
 
 
-def _gather_rows(merges, rank, sources, staging) -> dict:
-    """Snapshot arrays of the whole-row items this rank writes: its own column blocks copied,
-    its peers' received; its blocks of the rows other ranks write are sent to them. Collective
-    over the ranks of each merge (point-to-point, in the plan's order on every rank)."""
-    out, ops, received = {}, [], []
-    device = _p2p_device()
+def _stage_rows(merges, rank, sources, staging, device) -> tuple:
+    """The whole-row items this rank writes, with its own column blocks copied in, and the
+    transfers still to make: its blocks of the rows other ranks write (copied now, so that
+    training may go on) and the blocks it receives. `device`: where transfers travel."""
+    out, sends, receives = {}, [], []
     for m in merges:
         mine = [b for b in m.blocks if b.rank == rank]
         if m.writer != rank:
-            for b in mine:
-                ops.append(dist.P2POp(dist.isend, _column_block(b, sources[b.source]).to(device), m.writer))
+            sends += [(m.writer, _column_block(b, sources[b.source]).to(device)) for b in mine]
             continue
         region = m.item.region
-        rows, width = region.shape
-        states = list(sources[mine[0].source][1])
         bufs = {}
-        for state in states:
+        for state in sources[mine[0].source][1]:
             buf = staging.get((m.item.key, state)) if staging is not None else None
             if buf is None or buf.shape != (region.numel,):
                 buf = host_memory.empty_fp32(region.numel)
@@ -267,19 +263,29 @@ def _gather_rows(merges, rank, sources, staging) -> dict:
         out[m.item.key] = bufs
         for b in m.blocks:
             if b.rank == rank:
-                received.append((bufs, b, _column_block(b, sources[b.source])))
+                _fill_columns(bufs, b, _column_block(b, sources[b.source]))
             else:
-                recv = torch.empty((len(states), rows, b.columns[1] - b.columns[0]), device=device)
-                ops.append(dist.P2POp(dist.irecv, recv, b.rank))
-                received.append((bufs, b, recv))
+                shape = (len(bufs), region.shape[0], b.columns[1] - b.columns[0])
+                receives.append((b.rank, torch.empty(shape, device=device), bufs, b))
+    return out, (sends, receives)
+
+
+def _fill_columns(bufs: dict, block, data: torch.Tensor) -> None:
+    for i, buf in enumerate(bufs.values()):
+        torch.from_numpy(buf).view(data.shape[1], -1)[:, block.columns[0]:block.columns[1]].copy_(data[i])
+
+
+def _exchange_rows(transfers, group=None) -> None:
+    """Make the staged transfers (point-to-point, in the plan's order on every rank) and put
+    the received blocks into their rows."""
+    sends, receives = transfers
+    ops = [dist.P2POp(dist.isend, t, peer, group) for peer, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, t, _, _ in receives]
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-    for bufs, b, block in received:
-        for i, buf in enumerate(bufs.values()):
-            full = torch.from_numpy(buf).view(block.shape[1], -1)
-            full[:, b.columns[0]:b.columns[1]].copy_(block[i])
-    return out
+    for _, data, bufs, block in receives:
+        _fill_columns(bufs, block, data)
 
 
 def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> None:
@@ -369,10 +375,14 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     merged = {m.item.key for m in merges if m.writer == rank}
     snapshot = _snapshot([i for i in plan[rank] if i.key not in merged], sources, states,
                          copy=async_save, staging=staging)
-    snapshot.update(_gather_rows(merges, rank, sources, staging))
+    # Column blocks travel over NCCL as device tensors on a synchronous save; an asynchronous
+    # one stages them on the host now and sends them over its own gloo group in the background.
+    rows, transfers = _stage_rows(merges, rank, sources, staging,
+                                  torch.device("cpu") if async_save else _p2p_device())
+    snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
                           consumed_samples, args) if rank == 0 else None
-    job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, entries,
+    job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, transfers, entries,
                             part_shapes, rng.capture(), head, keep_last,
                             _checkpoint_group() if async_save else None)
     if not async_save:
@@ -384,9 +394,10 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     return pending
 
 
-def _execute(save_dir, iteration, items, snapshot, entries, part_shapes, rng_state, head, keep_last,
-             group):
-    """Files, checksums and commit; every step agreed by all ranks over `group`."""
+def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shapes, rng_state, head,
+             keep_last, group):
+    """Column blocks exchanged, files, checksums and commit; every step agreed by all ranks
+    over `group`."""
     from megatron_ucp.train.checkpointing import iteration_dir
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -398,6 +409,7 @@ def _execute(save_dir, iteration, items, snapshot, entries, part_shapes, rng_sta
         tmp = [everywhere(lambda: _prepare(save_dir, iteration) if rank == 0 else None)]
         dist.broadcast_object_list(tmp, src=0, group=group)
         tmp = tmp[0]
+        everywhere(_exchange_rows, transfers, group)
         everywhere(_create_files, tmp, entries, layouts, creators[rank])
         everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)
         checksums = everywhere(_checksum, tmp, entries, layouts, creators[rank])
