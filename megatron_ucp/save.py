@@ -233,25 +233,50 @@ def _p2p_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _column_block(block, source) -> torch.Tensor:
-    """Block `block` of this rank's offered region: (states, rows, width), fp32, contiguous."""
+def _block_views(block, source) -> list:
+    """Block `block` of this rank's offered region, per state: (rows, width) views."""
     (_, region), (offset, data) = block.source, source
     width = region.shape[1]
     lo = offset + block.rows[0] * width - region.start
     hi = offset + block.rows[1] * width - region.start
     rows = block.rows[1] - block.rows[0]
-    return torch.stack([data[s][lo:hi].detach().view(rows, width).to(torch.float32) for s in data])
+    return [data[s][lo:hi].detach().view(rows, width) for s in data]
+
+
+def _column_block(block, source, out: torch.Tensor = None) -> torch.Tensor:
+    """The block as one (states, rows, width) fp32 tensor (a copy: training may go on), into
+    `out` when given."""
+    views = _block_views(block, source)
+    if out is None:
+        return torch.stack([v.to(torch.float32) for v in views])
+    for target, view in zip(out, views):
+        target.copy_(view)
+    return out
 
 
 def _stage_rows(merges, rank, sources, staging, device) -> tuple:
     """The whole-row items this rank writes, with its own column blocks copied in, and the
     transfers still to make: its blocks of the rows other ranks write (copied now, so that
-    training may go on) and the blocks it receives. `device`: where transfers travel."""
-    out, sends, receives = {}, [], []
+    training may go on) and the blocks it receives. `device`: where transfers travel. With
+    `staging` (an asynchronous save) host buffers of the previous save are reused, and the
+    send buffers are returned too, to be kept with the others."""
+    out, kept, sends, receives = {}, {}, [], []
     for m in merges:
         mine = [b for b in m.blocks if b.rank == rank]
         if m.writer != rank:
-            sends += [(m.writer, _column_block(b, sources[b.source]).to(device)) for b in mine]
+            for b in mine:
+                if staging is None:
+                    sends.append((m.writer, _column_block(b, sources[b.source]).to(device)))
+                    continue
+                key = ("send", m.item.key, b.rank)
+                views = _block_views(b, sources[b.source])
+                shape = (len(views),) + tuple(views[0].shape)
+                buf = staging.get(key)
+                if buf is None or buf.shape != shape:
+                    buf = host_memory.empty_fp32(views[0].numel() * len(views)).reshape(shape)
+                _column_block(b, sources[b.source], torch.from_numpy(buf))
+                kept[key] = buf
+                sends.append((m.writer, torch.from_numpy(buf)))
             continue
         region = m.item.region
         bufs = {}
@@ -263,16 +288,17 @@ def _stage_rows(merges, rank, sources, staging, device) -> tuple:
         out[m.item.key] = bufs
         for b in m.blocks:
             if b.rank == rank:
-                _fill_columns(bufs, b, _column_block(b, sources[b.source]))
+                _fill_columns(bufs, b, _block_views(b, sources[b.source]))
             else:
                 shape = (len(bufs), region.shape[0], b.columns[1] - b.columns[0])
                 receives.append((b.rank, torch.empty(shape, device=device), bufs, b))
-    return out, (sends, receives)
+    return out, kept, (sends, receives)
 
 
-def _fill_columns(bufs: dict, block, data: torch.Tensor) -> None:
-    for i, buf in enumerate(bufs.values()):
-        torch.from_numpy(buf).view(data.shape[1], -1)[:, block.columns[0]:block.columns[1]].copy_(data[i])
+def _fill_columns(bufs: dict, block, data) -> None:
+    """Copy per-state (rows, width) blocks into their columns of the rows' buffers."""
+    for buf, part in zip(bufs.values(), data):
+        torch.from_numpy(buf).view(part.shape[0], -1)[:, block.columns[0]:block.columns[1]].copy_(part)
 
 
 def _exchange_rows(transfers, group=None) -> None:
@@ -377,8 +403,8 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
                          copy=async_save, staging=staging)
     # Column blocks travel over NCCL as device tensors on a synchronous save; an asynchronous
     # one stages them on the host now and sends them over its own gloo group in the background.
-    rows, transfers = _stage_rows(merges, rank, sources, staging,
-                                  torch.device("cpu") if async_save else _p2p_device())
+    rows, send_buffers, transfers = _stage_rows(merges, rank, sources, staging,
+                                                torch.device("cpu") if async_save else _p2p_device())
     snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
                           consumed_samples, args) if rank == 0 else None
@@ -390,6 +416,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     pending = AsyncSave(job)
     _STAGING.buffers = {(key, state): chunk for key, states_ in snapshot.items()
                         for state, chunk in states_.items()}
+    _STAGING.buffers.update(send_buffers)
     _STAGING.owner = pending
     return pending
 

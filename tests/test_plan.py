@@ -78,7 +78,10 @@ def test_merged_rows_cover_the_tensor_once_and_carry_the_right_elements(layout):
                 data = np.zeros((states,) + region.shape, dtype=np.float32)
                 for b in m.blocks:
                     assert b.source in sources[b.rank]  # the sender offered what it sends
-                    data[:, :, b.columns[0]:b.columns[1]] = _column_block(b, sources[b.rank][b.source]).numpy()
+                    block = _column_block(b, sources[b.rank][b.source])
+                    staged = _column_block(b, sources[b.rank][b.source], torch.empty_like(block))
+                    assert torch.equal(block, staged)  # the async path fills a kept buffer
+                    data[:, :, b.columns[0]:b.columns[1]] = block.numpy()
                 data, offset = data.reshape(states, -1), 0
             else:
                 offset, arrays = mine[item.key]
