@@ -108,7 +108,8 @@ def _shrink_reason(world_size: int, dims: ModelDims, lay: Layout, batch: Batch) 
             return "a virtual pipeline needs PP > 1"
         if (dims.num_layers // pp) % lay.vpp_layers:
             return f"{lay.vpp_layers} layers per virtual stage do not divide {dims.num_layers // pp} per stage"
-        if micro % pp:
+        # One virtual stage per stage is no interleaving (validate drops it): no batch rule.
+        if (dims.num_layers // pp) // lay.vpp_layers > 1 and micro % pp:
             return f"interleaving needs the {micro} micro-batches to be a multiple of PP {pp}"
     if dims.num_experts is None:
         return None if ep == 1 else "EP needs experts"

@@ -142,6 +142,16 @@ def test_virtual_pipeline_dropped_when_pp_shrinks():
     assert choose(args, 1).layout.vpp_layers is None
 
 
+def test_one_virtual_stage_per_stage_has_no_micro_batch_rule():
+    """Found by the property test: 1 layer per virtual stage with 1 layer per stage is no
+    interleaving, so 1 micro-batch on PP2 is fine, and the request is kept as it is."""
+    args = parsed(["--mock-data", "--num-layers", "2", "--num-attention-heads", "1", "--hidden-size", "8",
+                   "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1",
+                   "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"])
+    choice = choose(args, 2)
+    assert choice.kept and choice.layout.vpp_layers == 1
+
+
 def test_experts_shrink_ep():
     args = parsed(["--mock-data", "--num-layers", "2", "--num-attention-heads", "4", "--hidden-size", "32",
                    "--num-experts", "4", "--expert-model-parallel-size", "4", "--micro-batch-size", "1",
