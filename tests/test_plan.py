@@ -2,6 +2,7 @@
 the blocks the exchange moves put each element where the file wants it."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from megatron_ucp.layout import MAIN, Region, region_runs
 from megatron_ucp.plan import (SHORT_ROW_BYTES, WriteItem, assign_writers, check_coverage, merge_rows,
                                row_merges)
-from megatron_ucp.save import _column_block, _with_ends
+from megatron_ucp.save import _column_block, _merging_rows, _with_ends
 
 
 @st.composite
@@ -104,3 +105,11 @@ def test_a_missing_column_block_is_not_merged():
     # Only TP rank 0's columns are offered (rank 1's are elsewhere): no merge, nothing lost.
     item = WriteItem("w", Region(MAIN, (0, 0), (4, 4), 0, 16), 64)
     assert merge_rows([[item]], {("w", MAIN): (4, 8)}) == ([[item]], {}, {})
+
+
+def test_merge_switch_must_be_0_or_1(monkeypatch):
+    monkeypatch.setenv("UCP_MERGE_ROWS", "0")
+    assert _merging_rows() is False
+    monkeypatch.setenv("UCP_MERGE_ROWS", "yes")
+    with pytest.raises(ValueError, match="UCP_MERGE_ROWS must be 0 or 1"):
+        _merging_rows()
