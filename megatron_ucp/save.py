@@ -137,7 +137,7 @@ def _plan(tensors, states, with_optimizer: bool):
     """
     offers, sources = _offers(tensors, states, with_optimizer)
     entries_here = _tensor_entries(tensors, states)
-    digest = hashlib.sha256(pickle.dumps((offers, entries_here))).hexdigest()
+    digest = hashlib.sha256(pickle.dumps((offers, entries_here, _merging_rows()))).hexdigest()
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     cached = _PLAN_CACHE.get(tuple(digests))

@@ -32,10 +32,11 @@ def train_step(name, extra, iters=10, save=None, interval=None, load=None, step=
     return {"name": name, "op": "train", "argv": argv}
 
 
-def roundtrip_step(name, extra, load, step, save_to, iters=10):
-    """A runner step that loads `load` at `step` on BASE + `extra` and saves it again to `save_to`."""
+def roundtrip_step(name, extra, load, step, save_to, iters=10, env=None):
+    """A runner step that loads `load` at `step` on BASE + `extra` and saves it again to
+    `save_to` (with environment variables `env` set for the step)."""
     argv = BASE + extra + ["--train-iters", str(iters), "--load", load, "--ckpt-step", str(step)]
-    return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to}
+    return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to, "env": env or {}}
 
 
 def free_port() -> int:

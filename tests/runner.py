@@ -7,6 +7,7 @@ builds its own parallel layout, so one process start-up (megatron imports cost s
 many layouts. Rank 0 writes {name: result} to RESULT.json, one step at a time.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -45,9 +46,24 @@ def train(step):
     return {"losses": {str(i): loss for i, loss in history}}
 
 
+@contextlib.contextmanager
+def environment(values: dict):
+    """Environment variables set for one step only."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def roundtrip(step):
     """Load universally on this layout, then save again: what the new layout holds, on disk."""
-    with loop.session(step["argv"]) as (args, state):
+    with environment(step.get("env", {})), loop.session(step["argv"]) as (args, state):
         counter = storage.ReadCounter()
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=args.ckpt_step,

@@ -49,8 +49,8 @@ def train(name, extra, iters=N, **kw):
     return train_step(name, extra, iters=iters, **kw)
 
 
-def roundtrip(name, extra, load, step, save_to):
-    return roundtrip_step(name, extra, load, step, save_to, iters=N)
+def roundtrip(name, extra, load, step, save_to, env=None):
+    return roundtrip_step(name, extra, load, step, save_to, iters=N, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,10 @@ def w4(work):
         train("b_tp4", ["--tensor-model-parallel-size", "4"], load=d("A"), step=K),
         roundtrip("r_tp1dp4", DIST, d("A"), K, d("R_tp1dp4")),
         roundtrip("r_tp4", ["--tensor-model-parallel-size", "4"], d("A"), K, d("R_tp4")),
+        # TP2xDP2 with the distributed optimizer: split rows merged before writing, and not.
+        roundtrip("r_tp2dp2", TP2 + DIST, d("A"), K, d("R_tp2dp2")),
+        roundtrip("r_tp2dp2_unmerged", TP2 + DIST, d("A"), K, d("R_tp2dp2_unmerged"),
+                  env={"UCP_MERGE_ROWS": "0"}),
         # TP1xPP4 to TP2xPP2.
         train("a_pp4", ["--pipeline-model-parallel-size", "4"], save=d("B"), interval=K),
         train("b_pp4_tp2pp2", TP2PP2, load=d("B"), step=K),
@@ -318,6 +322,7 @@ def test_resumed_runs_redo_no_iteration(w4):
     ("A/iter_0000005", "R_tp1dp4/iter_0000005"), ("A/iter_0000005", "R_tp4/iter_0000005"),
     ("B/iter_0000005", "R_pp4/iter_0000005"), ("C/iter_0000005", "R_vpp/iter_0000005"),
     ("G1/iter_0000003", "R_g/iter_0000003"),
+    ("A/iter_0000005", "R_tp2dp2/iter_0000005"), ("A/iter_0000005", "R_tp2dp2_unmerged/iter_0000005"),
 ])
 def test_state_after_resharded_load_is_bitwise_equal(w4, work, source, result):
     assert_same_state(work / source, work / result)
@@ -380,7 +385,7 @@ def test_async_save_writes_the_same_checkpoint(w2, work):
     assert max_loss_delta(losses(w2, "a_tp2sp"), losses(w2, "b_async_tp1")) <= TOL
 
 
-@pytest.mark.parametrize("name", ["r_tp1dp4", "r_tp4", "r_pp4_tp2pp2", "r_vpp_pp4", "r_g_tp4"])
+@pytest.mark.parametrize("name", ["r_tp1dp4", "r_tp4", "r_pp4_tp2pp2", "r_vpp_pp4", "r_g_tp4", "r_tp2dp2"])
 def test_each_rank_reads_only_what_it_owns(w4, name):
     for rank, r in enumerate(ok(w4, name)["per_rank"]):
         assert r["owned"] > 0
