@@ -216,14 +216,20 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
         for state in data:
             source = data[state][offset:offset + item.region.numel]
             if copy:  # one pass from the source (any device, any dtype) into the staging buffer
-                buf = staging.get((item.key, state)) if staging is not None else None
-                if buf is None or buf.shape != (item.region.numel,):
-                    buf = host_memory.empty_fp32(item.region.numel)
+                buf = _staging_buffer(staging, (item.key, state), (item.region.numel,))
                 torch.from_numpy(buf).copy_(source.detach())
                 out[item.key][state] = buf
             else:
                 out[item.key][state] = _to_numpy(source)
     return out
+
+
+def _staging_buffer(staging, key, shape) -> np.ndarray:
+    """The previous save's fp32 buffer under `key` when it has `shape`, else a new one."""
+    buf = staging.get(key) if staging is not None else None
+    if buf is None or buf.shape != shape:
+        buf = host_memory.empty_fp32(int(np.prod(shape))).reshape(shape)
+    return buf
 
 
 def _p2p_device() -> torch.device:
@@ -243,10 +249,9 @@ def _block_views(block, source) -> list:
     return [data[s][lo:hi].detach().view(rows, width) for s in data]
 
 
-def _column_block(block, source, out: torch.Tensor = None) -> torch.Tensor:
-    """The block as one (states, rows, width) fp32 tensor (a copy: training may go on), into
-    `out` when given."""
-    views = _block_views(block, source)
+def _column_block(views, out: torch.Tensor = None) -> torch.Tensor:
+    """A block's per-state views as one (states, rows, width) fp32 tensor (a copy: training
+    may go on), into `out` when given."""
     if out is None:
         return torch.stack([v.to(torch.float32) for v in views])
     for target, view in zip(out, views):
@@ -265,26 +270,17 @@ def _stage_rows(merges, rank, sources, staging, device) -> tuple:
         mine = [b for b in m.blocks if b.rank == rank]
         if m.writer != rank:
             for b in mine:
+                views = _block_views(b, sources[b.source])
                 if staging is None:
-                    sends.append((m.writer, _column_block(b, sources[b.source]).to(device)))
+                    sends.append((m.writer, _column_block(views).to(device)))
                     continue
                 key = ("send", m.item.key, b.rank)
-                views = _block_views(b, sources[b.source])
-                shape = (len(views),) + tuple(views[0].shape)
-                buf = staging.get(key)
-                if buf is None or buf.shape != shape:
-                    buf = host_memory.empty_fp32(views[0].numel() * len(views)).reshape(shape)
-                _column_block(b, sources[b.source], torch.from_numpy(buf))
-                kept[key] = buf
-                sends.append((m.writer, torch.from_numpy(buf)))
+                kept[key] = _staging_buffer(staging, key, (len(views),) + tuple(views[0].shape))
+                sends.append((m.writer, _column_block(views, torch.from_numpy(kept[key]))))
             continue
         region = m.item.region
-        bufs = {}
-        for state in sources[mine[0].source][1]:
-            buf = staging.get((m.item.key, state)) if staging is not None else None
-            if buf is None or buf.shape != (region.numel,):
-                buf = host_memory.empty_fp32(region.numel)
-            bufs[state] = buf
+        bufs = {state: _staging_buffer(staging, (m.item.key, state), (region.numel,))
+                for state in sources[mine[0].source][1]}
         out[m.item.key] = bufs
         for b in m.blocks:
             if b.rank == rank:

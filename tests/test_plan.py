@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from megatron_ucp.layout import MAIN, Region, region_runs
 from megatron_ucp.plan import (SHORT_ROW_BYTES, WriteItem, assign_writers, check_coverage, merge_rows,
                                row_merges)
-from megatron_ucp.save import _column_block, _merging_rows, _with_ends
+from megatron_ucp.save import _block_views, _column_block, _merging_rows, _with_ends
 
 
 @st.composite
@@ -79,8 +79,9 @@ def test_merged_rows_cover_the_tensor_once_and_carry_the_right_elements(layout):
                 data = np.zeros((states,) + region.shape, dtype=np.float32)
                 for b in m.blocks:
                     assert b.source in sources[b.rank]  # the sender offered what it sends
-                    block = _column_block(b, sources[b.rank][b.source])
-                    staged = _column_block(b, sources[b.rank][b.source], torch.empty_like(block))
+                    views = _block_views(b, sources[b.rank][b.source])
+                    block = _column_block(views)
+                    staged = _column_block(views, torch.empty_like(block))
                     assert torch.equal(block, staged)  # the async path fills a kept buffer
                     data[:, :, b.columns[0]:b.columns[1]] = block.numpy()
                 data, offset = data.reshape(states, -1), 0
