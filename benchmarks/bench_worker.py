@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from disk import CHUNK, drop_cache, sequential_read, sequential_write  # noqa: E402
 from megatron_ucp import storage  # noqa: E402
 from megatron_ucp.load import load_universal  # noqa: E402
+from megatron_ucp.model_map import inner_optimizers  # noqa: E402
 from megatron_ucp.save import save_universal  # noqa: E402
 from megatron_ucp.train import loop, native  # noqa: E402
 from megatron_ucp.train.checkpointing import iteration_dir, write_tracker  # noqa: E402
@@ -144,7 +145,7 @@ def main(spec: dict, out_path: str) -> None:
         # Async stall against an in-memory copy of this rank's whole state (weights + moments).
         def copy_state():
             out = [p.detach().clone() for m in state.model for p in m.parameters()]
-            for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+            for opt in inner_optimizers(state.optimizer):
                 for s in opt.optimizer.state.values():
                     out += [v.clone() for v in s.values() if torch.is_tensor(v)]
             return out
@@ -187,7 +188,7 @@ def state_bytes(state) -> int:
         for buf in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
             add(buf.grad_data)
             add(buf.param_data)
-    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+    for opt in inner_optimizers(state.optimizer):
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
                 add(p.data)
@@ -199,7 +200,7 @@ def state_bytes(state) -> int:
 
 def forget_optimizer_state(state) -> None:
     """Drop Adam's moments, so that the next load allocates them as a job's first load does."""
-    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+    for opt in inner_optimizers(state.optimizer):
         opt.optimizer.state.clear()
     gc.collect()
 

@@ -66,7 +66,8 @@ class LocalTensor:
                 target.copy_(canonical.t())
 
 
-def _inner_optimizers(optimizer) -> list:
+def inner_optimizers(optimizer) -> list:
+    """The megatron optimizers behind `optimizer` (a chained one holds one per parameter kind)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -84,7 +85,7 @@ def ensure_adam_state(inner, overwritten: bool = False) -> None:
 def optimizer_fragments(optimizer, for_load: bool = False) -> Dict[torch.nn.Parameter, Fragment]:
     """Map each model parameter to the fragment of it whose optimizer state this rank holds."""
     out = {}
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         inner = opt.optimizer
         if inner is None:
             continue

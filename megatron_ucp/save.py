@@ -28,7 +28,7 @@ from megatron_ucp import host_memory, ownership, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
-from megatron_ucp.model_map import local_tensors
+from megatron_ucp.model_map import inner_optimizers, local_tensors
 from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
                                row_merges)
 
@@ -45,7 +45,7 @@ def current_layout(optimizer) -> dict:
         "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
         "use_distributed_optimizer": any(
             type(o).__name__ == "DistributedOptimizer"
-            for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            for o in inner_optimizers(optimizer)
         ),
     }
 
@@ -109,7 +109,7 @@ def _adam_step(tensors) -> int:
 
 def _param_groups(optimizer) -> list:
     out = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in inner_optimizers(optimizer):
         for g in opt.optimizer.param_groups:
             out.append({k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple, list, type(None)))})
     return out

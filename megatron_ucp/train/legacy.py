@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron_ucp import rng
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.legacy_convert import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
+from megatron_ucp.model_map import inner_optimizers
 from megatron_ucp.train.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
@@ -37,7 +38,7 @@ def _model_key(n_chunks: int, i: int) -> str:
 
 def _is_dist_opt(optimizer) -> bool:
     return any(type(o).__name__ == "DistributedOptimizer"
-               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+               for o in inner_optimizers(optimizer))
 
 
 def plain_args(args) -> dict:
