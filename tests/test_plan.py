@@ -96,9 +96,10 @@ def test_merged_rows_cover_the_tensor_once_and_carry_the_right_elements(layout):
 
 def test_a_layout_without_split_columns_is_left_as_it_is():
     item = WriteItem("w", Region(MAIN, (0, 0), (4, 8), 0, 32), 128)  # whole rows already
-    wide = WriteItem("v", Region(MAIN, (0, 0), (2, SHORT_ROW_BYTES // 4), 0, SHORT_ROW_BYTES // 2), 0)
-    offers = [[item, wide], [item]]
-    shapes = {("w", MAIN): (4, 8), ("v", MAIN): (2, 2 * SHORT_ROW_BYTES // 4)}
+    width = SHORT_ROW_BYTES // 4  # a complete set of column blocks, each too wide to merge
+    wide = [WriteItem("v", Region(MAIN, (0, c * width), (2, width), 0, 2 * width), 8 * width) for c in (0, 1)]
+    offers = [[item, wide[0]], [item, wide[1]]]
+    shapes = {("w", MAIN): (4, 8), ("v", MAIN): (2, 2 * width)}
     assert merge_rows(offers, shapes) == (offers, {}, {})
 
 
