@@ -106,7 +106,9 @@ def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
     return problems
 
 
-def verify_tensor(root: str, name: str, entry: dict) -> list:
+def check_file(root: str, name: str, entry: dict) -> list:
+    """Problems with a tensor file's presence, size and header, and with the checksums the
+    manifest records for it; its blocks are not read."""
     rel = entry["file"]
     try:
         path = storage.safe_join(root, rel)
@@ -133,7 +135,17 @@ def verify_tensor(root: str, name: str, entry: dict) -> list:
             and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
         return [f"{path}: manifest records bad checksums for {name!r} "
                 f"(block_bytes {block!r}, {len(sums) if isinstance(sums, list) else sums!r} sums)"]
-    return _verify_blocks(path, base, size, sums, block)
+    return []
+
+
+def verify_tensor(root: str, name: str, entry: dict) -> list:
+    """Problems with a tensor file: check_file's, then every block checksum."""
+    problems = check_file(root, name, entry)
+    if problems:
+        return problems
+    base = len(mf.file_layout(entry).header)
+    return _verify_blocks(storage.safe_join(root, entry["file"]), base, entry["file_size"],
+                          entry["checksums"], entry["block_bytes"])
 
 
 def _verify_rng(directory: str, layout: dict) -> list:

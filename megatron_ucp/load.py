@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import host_memory, rng, storage
+from megatron_ucp import checksums, host_memory, rng, storage
 from megatron_ucp.collective import run_everywhere
-from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.errors import ConfigError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
 
@@ -29,6 +29,7 @@ class LoadResult:
     layout_changed: bool
     bytes_read: int
     manifest: dict
+    bytes_hashed_after: int = 0  # verification: bytes this rank read again to hash them
 
 
 def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
@@ -38,27 +39,45 @@ def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
     return tensor.detach().view(-1).numpy()
 
 
-def _read_range(path, entry, layout, t, state, start, stop, counter, out=None) -> np.ndarray:
-    """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
-
-    Reads into `out` (stop - start fp32 elements) when given, else into a new array (on huge
-    pages: it is filled at once).
-    """
+def _file_runs(entry, t, state, start, stop):
+    """The reads that fill local flat elements [start, stop) of `state`: (file tensor name,
+    [(file element, element from start, length)]) per held region, and whether they cover
+    every element (they do not where the checkpoint lacks rows: new vocabulary padding)."""
     held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
                   entry["padding_rows"] if t.rule.kind == "vocab" else None)
     regions = fragment_regions(held, start, stop)
-    if out is None:
-        out = host_memory.empty_fp32(stop - start)
-    if sum(r.numel for _, r in regions) != stop - start:
-        out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
     part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
+    reads = []
     for local_start, region in regions:
         runs = region_runs(part_shapes[region.part], region)
-        # read_runs wants (file element, out element, length)
-        file_runs = np.stack([runs[:, 1], runs[:, 0] + (local_start - start), runs[:, 2]], axis=1)
-        storage.read_runs(path, layout, mf.file_tensor_name(state, region.part), file_runs, out,
-                          counter)
+        reads.append((mf.file_tensor_name(state, region.part),
+                      np.stack([runs[:, 1], runs[:, 0] + (local_start - start), runs[:, 2]], axis=1)))
+    return reads, sum(r.numel for _, r in regions) == stop - start
+
+
+def _read_range(path, entry, layout, t, state, start, stop, counter, out=None, hash_spans=(),
+                hashes=None) -> np.ndarray:
+    """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
+
+    Reads into `out` (stop - start fp32 elements) when given, else into a new array (on huge
+    pages: it is filled at once). Hashes the `hash_spans` it reads (storage.read_runs).
+    """
+    reads, complete = _file_runs(entry, t, state, start, stop)
+    if out is None:
+        out = host_memory.empty_fp32(stop - start)
+    if not complete:
+        out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
+    for name, file_runs in reads:
+        storage.read_runs(path, layout, name, file_runs, out, counter, hash_spans, hashes)
     return out
+
+
+def _ranges(t):
+    """(state, local start, local stop) of every read a load of `t` makes."""
+    yield "param", 0, t.param.numel()
+    if t.fragment is not None:
+        for state in ("exp_avg", "exp_avg_sq"):
+            yield state, t.fragment.start, t.fragment.stop
 
 
 def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
@@ -105,19 +124,108 @@ def _prepare(root, model, optimizer, vocab_size, load_optim):
     return m, tensors, with_optim
 
 
-def _verify(root: str, m: dict) -> None:
-    """Check this rank's share of the tensor files (sizes, headers, every block checksum).
+def _inline_hash_bytes() -> int:
+    """Reads shorter than this (a TP rank's half rows) are not hashed inline: each would be a
+    piece to gather and combine. The pass after the load hashes those bytes, from the page
+    cache the load has just filled. UCP_INLINE_HASH_BYTES overrides the 256 KiB."""
+    raw = os.environ.get("UCP_INLINE_HASH_BYTES", str(256 * 2**10))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"environment variable UCP_INLINE_HASH_BYTES={raw!r}: expected a positive integer")
+    return int(raw)
 
-    Files are spread over ranks by size, so the whole checkpoint is read once in total.
-    """
-    from megatron_ucp.inspection import verify_tensor
+
+@dataclass
+class _HashPlan:
+    """Who hashes which bytes of the checkpoint's tensor files (see checksums.py)."""
+
+    inline: dict  # tensor name -> sorted file byte spans this rank hashes as it reads them
+    after: list  # (tensor name, lo, hi) this rank hashes by reading, after the load
+    checks: list  # tensor names whose blocks this rank checks, from everyone's hashes
+
+
+def _check_files(root: str, m: dict) -> list:
+    """Sizes, headers and recorded checksums of this rank's share of the tensor files (the
+    share by size, as file creation); returns that share."""
+    from megatron_ucp.inspection import check_file
     from megatron_ucp.plan import assign_files
 
     sizes = {name: int(e.get("file_size", 0)) for name, e in m["tensors"].items()}
     mine = assign_files(sizes, dist.get_world_size())[dist.get_rank()]
-    problems = [p for name in mine for p in verify_tensor(root, name, m["tensors"][name])]
+    # A cold header read is a disk round trip (10 ms here): several in flight.
+    found = storage.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
+    problems = [p for file_problems in found for p in file_problems]
     if problems:
         raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
+    return mine
+
+
+def _read_spans(m: dict, tensors) -> dict:
+    """The file byte spans of this rank's load reads, per tensor, long enough to hash inline."""
+    out: dict = {}
+    shortest = _inline_hash_bytes()
+    for t in tensors:
+        entry = m["tensors"][t.name]
+        layout = mf.file_layout(entry)
+        for state, start, stop in _ranges(t):
+            for name, runs in _file_runs(entry, t, state, start, stop)[0]:
+                out.setdefault(t.name, []).extend(
+                    s for s in storage.read_spans(layout, name, runs) if s[1] - s[0] >= shortest)
+    return out
+
+
+def _hash_plan(root: str, m: dict, tensors) -> _HashPlan:
+    """Collective: files checked (sizes, headers), then every byte of every tensor file given
+    one rank to hash, as it loads it where it can."""
+    checks = run_everywhere(_check_files, root, m)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spans = [None] * world
+    dist.all_gather_object(spans, run_everywhere(_read_spans, m, tensors))
+    inline, unread = {}, {}
+    for name, entry in m["tensors"].items():
+        holders = {r: s[name] for r, s in enumerate(spans) if name in s}
+        owned, unread[name] = checksums.assign_pieces(
+            holders, len(mf.file_layout(entry).header), entry["file_size"], entry["block_bytes"])
+        if owned.get(rank):
+            inline[name] = sorted(owned[rank])
+    return _HashPlan(inline, checksums.spread(unread, world)[rank], checks)
+
+
+def _check_hashes(root: str, m: dict, plan: _HashPlan, hashes: dict) -> int:
+    """Collective, after the load: hash what the load did not, gather every rank's hashes, and
+    check the blocks of this rank's share of the files. Returns the bytes hashed after."""
+
+    def hash_rest():
+        todo = list(plan.after)
+        for name, spans in plan.inline.items():  # any piece the reads did not meet
+            done = {(lo, hi) for lo, hi, _ in hashes.get(name, ())}
+            todo += [(name, lo, hi) for lo, hi in spans if (lo, hi) not in done]
+        by_file: dict = {}
+        for name, lo, hi in todo:
+            by_file.setdefault(name, []).append((lo, hi))
+        for name, spans in by_file.items():
+            path = storage.safe_join(root, m["tensors"][name]["file"])
+            crcs = storage.crc_spans(path, spans)
+            hashes.setdefault(name, []).extend((lo, hi, c) for (lo, hi), c in zip(spans, crcs))
+        return sum(hi - lo for _, lo, hi in todo)
+
+    rehashed = run_everywhere(hash_rest)
+    everyone = [None] * dist.get_world_size()
+    # A set: bytes a rank happens to read twice are hashed twice, and must count once.
+    dist.all_gather_object(everyone, {name: sorted(set(h)) for name, h in hashes.items() if h})
+
+    def check():
+        problems = []
+        for name in plan.checks:
+            entry = m["tensors"][name]
+            hashed = [p for h in everyone for p in h.get(name, ())]
+            problems += checksums.check_blocks(storage.safe_join(root, entry["file"]),
+                                               len(mf.file_layout(entry).header), entry["file_size"],
+                                               entry["block_bytes"], entry["checksums"], hashed)
+        if problems:
+            raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
+
+    run_everywhere(check)
+    return rehashed
 
 
 def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, vocab_size: int,
@@ -127,9 +235,11 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
     Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
-    partially loaded (values are read in place): resume from another checkpoint or restart. `verify` checks every block
-    checksum first (the work spread over ranks). `strict` refuses checkpoint tensors that have
-    no place in the model. `reseed(iteration)` is called when the layout changed (or RNG is not
+    partially loaded (values are read in place): resume from another checkpoint or restart.
+    `verify` checks every file's size and header before reading, and every block checksum of
+    the checkpoint from the bytes the load reads (checksums.py; bytes nobody loads are read
+    after), raising before anything returns. `strict` refuses checkpoint tensors that have no
+    place in the model. `reseed(iteration)` is called when the layout changed (or RNG is not
     loaded), to reseed deterministically.
     """
     from megatron_ucp.save import current_layout
@@ -142,36 +252,41 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     m, tensors, with_optim = run_everywhere(_prepare, root, model, optimizer, vocab_size, load_optim)
     if strict:
         _check_tensors(m, tensors, root, strict=True)
-    if verify:
-        run_everywhere(_verify, root, m)
+    plan = _hash_plan(root, m, tensors) if verify else None
+    hashes: dict = {}
 
     def restore():
-        _load_tensors(root, m, tensors, counter)
+        _load_tensors(root, m, tensors, counter, plan.inline if plan else {}, hashes)
         if with_optim:
             _set_adam_step(tensors, int((m.get("optimizer") or {}).get("step", 0)))
             if scheduler is not None and m.get("scheduler") is not None:
                 scheduler.load_state_dict(m["scheduler"])
 
     run_everywhere(restore)
+    rehashed = _check_hashes(root, m, plan, hashes) if plan is not None else 0
     changed = not _same_layout(m["layout"], current_layout(optimizer))
     if load_rng and not changed:
         run_everywhere(rng.load, os.path.join(root, "rng"), dist.get_rank())
     elif reseed is not None:
         reseed(int(m["iteration"]))
-    return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m)
+    return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m,
+                      rehashed)
 
 
-def _load_tensors(root, m, tensors, counter) -> None:
+def _load_tensors(root, m, tensors, counter, hash_spans: dict, hashes: dict) -> None:
     """Each local tensor's weights and moments, read in place; several files in flight where
-    this node has cores to spare (storage.read_threads), each thread counting its own bytes."""
+    this node has cores to spare (storage.read_threads), each thread counting its own bytes.
+    The `hash_spans` of each tensor are hashed as they are read, into `hashes`."""
     layouts = {name: mf.file_layout(m["tensors"][name]) for name in {t.name for t in tensors}}
 
-    def load_one(t) -> storage.ReadCounter:
-        mine = storage.ReadCounter()
+    def load_one(t):
+        mine, found = storage.ReadCounter(), []
         entry, layout = m["tensors"][t.name], layouts[t.name]
         path = storage.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
+        spans = hash_spans.get(t.name, ())
         in_place = _host_view(t.param.data)
-        weight = _read_range(path, entry, layout, t, "param", 0, t.param.numel(), mine, in_place)
+        weight = _read_range(path, entry, layout, t, "param", 0, t.param.numel(), mine, in_place,
+                             spans, found)
         with torch.no_grad():
             if in_place is None:
                 t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
@@ -182,17 +297,19 @@ def _load_tensors(root, m, tensors, counter) -> None:
                 for state in ("exp_avg", "exp_avg_sq"):
                     target = getattr(f, state)
                     in_place = _host_view(target)
-                    data = _read_range(path, entry, layout, t, state, f.start, f.stop, mine, in_place)
+                    data = _read_range(path, entry, layout, t, state, f.start, f.stop, mine, in_place,
+                                       spans, found)
                     if in_place is None:
                         target.copy_(torch.from_numpy(data).view(target.shape))
         t.apply_write_back()
-        return mine
+        return t.name, mine, found
 
     # Largest first, so that the threads' tails are short.
     order = sorted(tensors, key=lambda t: -t.param.numel())
-    for done in storage.in_parallel(load_one, order, storage.read_threads()):
+    for name, done, found in storage.in_parallel(load_one, order, storage.read_threads()):
         counter.bytes += done.bytes
         counter.calls += done.calls
+        hashes.setdefault(name, []).extend(found)
 
 
 def _set_adam_step(tensors, step: int) -> None:

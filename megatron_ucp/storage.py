@@ -10,6 +10,7 @@ torch.distributed; arrays are numpy (callers pass ``tensor.numpy()``).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import json
@@ -357,12 +358,34 @@ def _write_mapped(fd: int, raw: memoryview, isz: int, base: int, groups) -> int:
     return total
 
 
+def read_spans(layout: TensorFileLayout, name: str, runs) -> list[tuple[int, int]]:
+    """The file byte ranges [lo, hi) that read_runs(..., runs, ...) reads, one per preadv."""
+    groups = _plan(runs, 0, layout.numel(name), 1 << 62, False, f"tensor {name!r}")
+    isz, base = layout.itemsize(name), layout.data_offset(name)
+    return [(base + fs * isz, base + (fs + sum(ln for _, ln in parts)) * isz) for fs, parts in groups]
+
+
+def _crc_views(views: list, lo: int, hi: int) -> int:
+    """crc32 of bytes [lo, hi) of the concatenated views."""
+    crc, pos = 0, 0
+    for v in views:
+        a, b = max(lo - pos, 0), min(hi - pos, len(v))
+        if a < b:
+            crc = crc32(v[a:b], crc)
+        pos += len(v)
+        if pos >= hi:
+            break
+    return crc
+
+
 def read_runs(path, layout: TensorFileLayout, name: str, runs, out: np.ndarray,
-              counter: ReadCounter | None = None) -> int:
+              counter: ReadCounter | None = None, hash_spans=(), hashes: list | None = None) -> int:
     """Fill out.reshape(-1)[dst:dst+len] from elements src.. of tensor `name`, reading nothing else.
 
     runs = [(file_elem_start, out_elem_start, length)]. Runs contiguous in the file become one
-    preadv. A short read (truncated file) raises IntegrityError. Returns bytes read.
+    preadv. A short read (truncated file) raises IntegrityError. Returns bytes read. Each of the
+    sorted file byte ranges `hash_spans` that lies inside one preadv is hashed from the bytes
+    read: (lo, hi, crc32) is appended to `hashes`.
     """
     where = f"{path}, tensor {name!r}"
     _check_array(out, layout, name, where)
@@ -383,6 +406,13 @@ def read_runs(path, layout: TensorFileLayout, name: str, runs, out: np.ndarray,
                                      f"inside the tensor (needed bytes up to {base + fstart * isz + want}); "
                                      "the file is truncated")
             total += done
+            if hash_spans:
+                lo = base + fstart * isz
+                i = bisect.bisect_left(hash_spans, (lo, lo))
+                while i < len(hash_spans) and hash_spans[i][1] <= lo + done:
+                    a, b = hash_spans[i]
+                    hashes.append((a, b, _crc_views(views, a - lo, b - lo)))
+                    i += 1
     finally:
         os.close(fd)
         if counter is not None:
@@ -505,6 +535,22 @@ def block_checksums(path, start: int, stop: int, block_bytes: int = BLOCK_BYTES)
     fd = _open_for_read(path)
     try:
         return [crc for _, _, _, crc in _crc_blocks(fd, path, start, stop, block_bytes)]
+    finally:
+        os.close(fd)
+
+
+def crc_spans(path, spans) -> list[int]:
+    """crc32 of each file byte range [lo, hi) of `spans`; a range past the end raises."""
+    fd = _open_for_read(path)
+    try:
+        buf = memoryview(bytearray(max((hi - lo for lo, hi in spans), default=0)))
+        out = []
+        for lo, hi in spans:
+            done, _ = _vector_io(False, fd, [buf[:hi - lo]], lo)
+            if done < hi - lo:
+                raise IntegrityError(f"{path}: file ends at byte {lo + done}, inside bytes {lo}..{hi}")
+            out.append(crc32(buf[:hi - lo]))
+        return out
     finally:
         os.close(fd)
 

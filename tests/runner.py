@@ -74,7 +74,8 @@ def roundtrip(step):
                        state.scheduler, vocab_size=args.vocab_size,
                        consumed_samples=result.consumed_samples)
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, {"read": counter.bytes, "owned": owned})
+        dist.all_gather_object(per_rank, {"read": counter.bytes, "owned": owned,
+                                          "hashed_after": result.bytes_hashed_after})
         return {"iteration": result.iteration, "per_rank": per_rank,
                 "layout_changed": result.layout_changed}
 
@@ -105,7 +106,7 @@ def load_expecting_error(step):
     from megatron_ucp.errors import UCPError
 
     try:
-        with loop.session(step["argv"]) as (args, state):
+        with environment(step.get("env", {})), loop.session(step["argv"]) as (args, state):
             iteration, _ = loop.resume(args, state)
             return {"loaded": iteration}
     except UCPError as e:  # raised while resolving the checkpoint or while loading it

@@ -404,6 +404,30 @@ def test_adjacent_runs_are_coalesced(filled, monkeypatch):
         assert calls == [1] * 51
 
 
+def test_reads_hash_the_spans_they_read_whole(filled):
+    """read_spans names the byte ranges of read_runs' preadvs; read_runs hashes each asked span
+    lying inside one of them from the bytes read (even across the buffer's pieces), and skips
+    the rest; crc_spans hashes any span from the file."""
+    path, lay, arrays = filled
+    raw = open(path, "rb").read()
+    base = lay.data_offset("exp_avg")
+    # Elements 100..300 in two runs, adjacent in the file, apart in the buffer; and 600..650.
+    runs = [(100, 0, 100), (200, 500, 100), (600, 200, 50)]
+    spans = storage.read_spans(lay, "exp_avg", runs)
+    assert spans == [(base + 400, base + 1200), (base + 2400, base + 2600)]
+    asked = [(base + 400, base + 1200), (base + 500, base + 900), (base + 1100, base + 2500),
+             (base + 2400, base + 2401), (base + 2500, base + 2600)]
+    hashes = []
+    out = np.zeros(1000, np.float32)
+    read_runs(path, lay, "exp_avg", runs, out, hash_spans=asked, hashes=hashes)
+    inside = [a for a in asked if any(lo <= a[0] and a[1] <= hi for lo, hi in spans)]
+    assert sorted(hashes) == sorted((lo, hi, zlib.crc32(raw[lo:hi])) for lo, hi in inside)
+    assert (base + 1100, base + 2500) not in [h[:2] for h in hashes]  # across two reads: skipped
+    assert storage.crc_spans(path, asked) == [zlib.crc32(raw[lo:hi]) for lo, hi in asked]
+    with pytest.raises(IntegrityError, match="file ends"):
+        storage.crc_spans(path, [(len(raw) - 4, len(raw) + 4)])
+
+
 @pytest.mark.parametrize("mode", ["short transfers", "no vectored io"])
 def test_short_transfers_are_resumed(tmp_path, monkeypatch, mode):
     """pwrite/pread may move fewer bytes than asked (signals, huge requests): we must resume."""

@@ -1,0 +1,150 @@
+"""Block checksums verified from the bytes a load reads anyway, instead of a pass of their own.
+
+A tensor file's data carries one crc32 per block (storage.BLOCK_BYTES). On load, every byte of
+every file gets exactly one owner rank, which hashes it: inline, from the buffer it has just read
+into, where one of its reads spans the byte; else in a pass after the load (bytes nobody loads,
+and reads too short to be worth it). A block whose bytes several ranks own is checked by
+combining its pieces' crcs in file order (crc32_combine), so no block has to be read whole by
+one rank. Pure functions: the load gathers the pieces' crcs and calls `check_blocks`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Dict, List, Sequence, Tuple
+
+Span = Tuple[int, int]  # file bytes [lo, hi)
+
+_POLY = 0xEDB88320  # crc32's polynomial, bit-reflected as zlib computes it
+_ONE = 1 << 31  # the polynomial 1 in the reflected representation
+
+
+def _mulmod(a: int, b: int) -> int:
+    """a * b modulo the crc32 polynomial (reflected bit order)."""
+    product = 0
+    bit = _ONE
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers() -> List[int]:
+    """x^(2^k) modulo the polynomial, k = 0..63 (enough for lengths below 2^61 bytes)."""
+    out = [_ONE >> 1]  # x
+    for _ in range(63):
+        out.append(_mulmod(out[-1], out[-1]))
+    return out
+
+
+_X_2K = _powers()
+
+
+@lru_cache(maxsize=4096)
+def _shift(nbytes: int) -> int:
+    """x^(8 * nbytes) modulo the polynomial: appending nbytes zero bytes to a message."""
+    result, k = _ONE, 3  # 8 * nbytes = nbytes << 3
+    while nbytes:
+        if nbytes & 1:
+            result = _mulmod(_X_2K[k], result)
+        nbytes >>= 1
+        k += 1
+    return result
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """crc32(A + B) from crc32(A), crc32(B) and len(B), without the bytes."""
+    return _mulmod(_shift(len_b), crc_a) ^ crc_b
+
+
+def _cut(lo: int, hi: int, base: int, block: int) -> List[Span]:
+    """[lo, hi) cut at the block boundaries base + k * block."""
+    out = []
+    while lo < hi:
+        edge = min(hi, base + ((lo - base) // block + 1) * block)
+        out.append((lo, edge))
+        lo = edge
+    return out
+
+
+def assign_pieces(spans: Dict[int, Sequence[Span]], base: int, end: int,
+                  block: int) -> Tuple[Dict[int, List[Span]], List[Span]]:
+    """Give each byte of [base, end) one owner among the ranks whose spans hold it.
+
+    `spans[rank]` are the file byte ranges that rank reads, each in one read. Returns (pieces
+    per rank, each inside one block and one of its spans; pieces nobody reads, each inside one
+    block). Each piece goes to its least loaded holder, so replicas share the hashing.
+    """
+    events = {base, end}
+    for rank_spans in spans.values():
+        for lo, hi in rank_spans:
+            events.update((max(lo, base), min(hi, end)))
+    events.update(range(base, end, block))
+    cuts = sorted(e for e in events if base <= e <= end)
+    # The spans that hold each elementary segment: a sweep over span starts and ends.
+    starts: Dict[int, list] = {}
+    for rank, rank_spans in spans.items():
+        for lo, hi in rank_spans:
+            lo, hi = max(lo, base), min(hi, end)
+            if lo < hi:
+                starts.setdefault(lo, []).append((hi, rank))
+    active: List[Tuple[int, int]] = []
+    owned: Dict[int, List[Span]] = {rank: [] for rank in spans}
+    load = {rank: 0 for rank in spans}
+    unread: List[Span] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        active = [(h, r) for h, r in active if h > lo] + starts.get(lo, [])
+        holders = {r for _, r in active}
+        if not holders:
+            if unread and unread[-1][1] == lo and (lo - base) % block:
+                unread[-1] = (unread[-1][0], hi)  # same block, contiguous: one piece
+            else:
+                unread.append((lo, hi))
+            continue
+        rank = min(holders, key=lambda r: (load[r], r))
+        load[rank] += hi - lo
+        owned[rank].append((lo, hi))
+    return owned, unread
+
+
+def spread(pieces: Dict[str, List[Span]], world_size: int) -> List[List[Tuple[str, int, int]]]:
+    """Pieces nobody reads (per file) over ranks by bytes, largest first: who hashes what."""
+    todo = sorted(((hi - lo, name, lo, hi) for name, spans in pieces.items() for lo, hi in spans),
+                  key=lambda x: (-x[0], x[1], x[2]))
+    load = [0] * world_size
+    out: List[List[Tuple[str, int, int]]] = [[] for _ in range(world_size)]
+    for size, name, lo, hi in todo:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        load[rank] += size
+        out[rank].append((name, lo, hi))
+    return out
+
+
+def check_blocks(path: str, base: int, end: int, block: int, sums: Sequence[str],
+                 pieces: Sequence[Tuple[int, int, int]]) -> List[str]:
+    """Problems found combining pieces (lo, hi, crc) into the blocks of [base, end), which
+    they must tile exactly, and comparing with `sums` (8 hex digits per block)."""
+    problems, pos, i = [], base, 0
+    ordered = sorted(pieces)
+    for b, lo in enumerate(range(base, end, block)):
+        hi = min(lo + block, end)
+        crc = None
+        while i < len(ordered) and ordered[i][1] <= hi:
+            p_lo, p_hi, p_crc = ordered[i]
+            if p_lo != pos:
+                return problems + [f"{path}: bytes {pos}..{p_lo} were not hashed (or twice); "
+                                   "the load's verification plan is wrong"]
+            crc = p_crc if crc is None else crc32_combine(crc, p_crc, p_hi - p_lo)
+            pos, i = p_hi, i + 1
+        if pos != hi or crc is None:
+            return problems + [f"{path}: bytes {pos}..{hi} were not hashed; "
+                               "the load's verification plan is wrong"]
+        found, expected = f"{crc:08x}", str(sums[b]).lower()
+        if found != expected:
+            problems.append(f"{path}: block {b} (bytes {lo}..{hi}) has crc32 {found}, expected {expected}")
+    if i != len(ordered):
+        problems.append(f"{path}: pieces beyond byte {end} were hashed; the load's verification plan is wrong")
+    return problems
