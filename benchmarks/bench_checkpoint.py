@@ -124,6 +124,9 @@ def main() -> int:
           f"reads its whole TP-local weights); read bandwidth of the load on those bytes: "
           f"{sum(read) / 1e9 / r['universal_resharded_load_s']:.2f} GB/s = "
           f"{sum(read) / 1e9 / r['universal_resharded_load_s'] / disk_r:.2f}x the disk's")
+    after = r["verified_load_bytes_hashed_after_per_rank"]
+    print(f"verified load: the checksums come from the load's own reads; bytes read again to hash "
+          f"them (short reads, bytes nobody loads), per rank: {after}")
     mem = r["load_memory_per_rank"]
     extra = [m["peak_rss_load_mib"] - m["rss_before_load_mib"] - (m["state_mib"] - m["state_before_load_mib"])
              for m in mem]

@@ -224,12 +224,19 @@ def load_phase(spec: dict, out_path: str) -> None:
         rss_built = psutil.Process().memory_info().rss / 2**20
         state_built = state_bytes(state) / 2**20  # no optimizer state yet: the load makes it
 
+        hashed_after = []
+
         def first_load(verify: bool, counter=None) -> float:
             forget_optimizer_state(state)
             drop_cache_everywhere(uni)
-            return timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
-                                                vocab_size=args.vocab_size, counter=counter,
-                                                verify=verify))[0]
+            t, result = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
+                                                     vocab_size=args.vocab_size, counter=counter,
+                                                     verify=verify))
+            if verify and not hashed_after:
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, result.bytes_hashed_after)
+                hashed_after.extend(gathered)
+            return t
 
         counter = storage.ReadCounter()
         results["disk_read_rounds"] = [disk_read(work, nbytes)]
@@ -248,6 +255,7 @@ def load_phase(spec: dict, out_path: str) -> None:
             results["disk_read_rounds"].append(disk_read(work, nbytes))
             results["universal_resharded_load_rounds_s"].append(first_load(False))
             results["universal_resharded_load_verified_rounds_s"].append(first_load(True))
+        results["verified_load_bytes_hashed_after_per_rank"] = hashed_after
         args.dist_ckpt_optim_format = "fully_reshardable"
         drop_cache_everywhere(td_full)
         t, _ = timed(lambda: native.load(args, state, iteration_dir(td_full, 1)))
