@@ -232,9 +232,10 @@ def _vector_io(write: bool, fd: int, views: list, offset: int) -> tuple[int, int
     return done, calls
 
 
-def _read_exact(fd: int, nbytes: int, offset: int, path, what: str) -> bytearray:
-    buf = bytearray(nbytes)
-    done, _ = _vector_io(False, fd, [memoryview(buf)], offset)
+def _read_exact(fd: int, nbytes: int, offset: int, path, what: str, into: memoryview = None):
+    """nbytes from offset, into the start of `into` when given (returns that slice)."""
+    buf = memoryview(bytearray(nbytes)) if into is None else into[:nbytes]
+    done, _ = _vector_io(False, fd, [buf], offset)
     if done < nbytes:
         raise IntegrityError(f"{path}: file ends at byte {offset + done} while reading {what} "
                              f"(bytes {offset}..{offset + nbytes})")
@@ -544,13 +545,7 @@ def crc_spans(path, spans) -> list[int]:
     fd = _open_for_read(path)
     try:
         buf = memoryview(bytearray(max((hi - lo for lo, hi in spans), default=0)))
-        out = []
-        for lo, hi in spans:
-            done, _ = _vector_io(False, fd, [buf[:hi - lo]], lo)
-            if done < hi - lo:
-                raise IntegrityError(f"{path}: file ends at byte {lo + done}, inside bytes {lo}..{hi}")
-            out.append(crc32(buf[:hi - lo]))
-        return out
+        return [crc32(_read_exact(fd, hi - lo, lo, path, "bytes to hash", buf)) for lo, hi in spans]
     finally:
         os.close(fd)
 
