@@ -71,6 +71,11 @@ def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def uses_distributed_optimizer(optimizer) -> bool:
+    """Whether any optimizer behind `optimizer` shards its state over data parallelism."""
+    return any(type(o).__name__ == "DistributedOptimizer" for o in inner_optimizers(optimizer))
+
+
 def ensure_adam_state(inner, overwritten: bool = False) -> None:
     """Give every param of a torch Adam its initial state (step 0, zero moments) if absent.
 

@@ -28,7 +28,7 @@ from megatron_ucp import host_memory, ownership, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
-from megatron_ucp.model_map import inner_optimizers, local_tensors
+from megatron_ucp.model_map import inner_optimizers, local_tensors, uses_distributed_optimizer
 from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
                                row_merges)
 
@@ -43,10 +43,7 @@ def current_layout(optimizer) -> dict:
         "data_parallel_size": ps.get_data_parallel_world_size(),
         "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
-        "use_distributed_optimizer": any(
-            type(o).__name__ == "DistributedOptimizer"
-            for o in inner_optimizers(optimizer)
-        ),
+        "use_distributed_optimizer": uses_distributed_optimizer(optimizer),
     }
 
 

@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron_ucp import rng
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.legacy_convert import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
-from megatron_ucp.model_map import inner_optimizers
+from megatron_ucp.model_map import uses_distributed_optimizer
 from megatron_ucp.train.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
@@ -34,11 +34,6 @@ CHECKPOINT_VERSION = 3.0
 
 def _model_key(n_chunks: int, i: int) -> str:
     return "model" if n_chunks == 1 else f"model{i}"
-
-
-def _is_dist_opt(optimizer) -> bool:
-    return any(type(o).__name__ == "DistributedOptimizer"
-               for o in inner_optimizers(optimizer))
 
 
 def plain_args(args) -> dict:
@@ -63,7 +58,7 @@ def save(args, state, iteration: int, consumed: int, directory: str) -> None:
     if dp_rank == 0:
         os.makedirs(rank_dir, exist_ok=True)
     dist.barrier()
-    if _is_dist_opt(state.optimizer):  # megatron-core's own writer (gathers over DP: collective)
+    if uses_distributed_optimizer(state.optimizer):  # megatron-core's own writer (gathers over DP: collective)
         state.optimizer.save_parameter_state(os.path.join(rank_dir, OPTIM_FILE))
     if dp_rank == 0:
         sd = {_model_key(len(state.model), i): unwrap(c).state_dict() for i, c in enumerate(state.model)}
@@ -99,7 +94,7 @@ def load(args, state, directory: str):
         unwrap(chunk).load_state_dict(sd[key], strict=not args.no_strict_load)
     if not args.no_load_optim:
         state.optimizer.load_state_dict(sd["optimizer"])
-        if _is_dist_opt(state.optimizer):
+        if uses_distributed_optimizer(state.optimizer):
             optim_path = os.path.join(rank_dir, OPTIM_FILE)
             if not os.path.exists(optim_path):
                 raise IncompleteCheckpointError(f"{optim_path}: missing (saved without the distributed optimizer?)")
