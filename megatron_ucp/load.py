@@ -283,24 +283,17 @@ def _load_tensors(root, m, tensors, counter, hash_spans: dict, hashes: dict) -> 
         mine, found = storage.ReadCounter(), []
         entry, layout = m["tensors"][t.name], layouts[t.name]
         path = storage.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
-        spans = hash_spans.get(t.name, ())
-        in_place = _host_view(t.param.data)
-        weight = _read_range(path, entry, layout, t, "param", 0, t.param.numel(), mine, in_place,
-                             spans, found)
+        spans, f = hash_spans.get(t.name, ()), t.fragment
         with torch.no_grad():
-            if in_place is None:
-                t.param.data.copy_(torch.from_numpy(weight).view(t.param.shape))
-            f = t.fragment
-            if f is not None:
-                if not f.main_is_model:
-                    f.main.copy_(torch.from_numpy(weight[f.start:f.stop]))
-                for state in ("exp_avg", "exp_avg_sq"):
-                    target = getattr(f, state)
-                    in_place = _host_view(target)
-                    data = _read_range(path, entry, layout, t, state, f.start, f.stop, mine, in_place,
-                                       spans, found)
-                    if in_place is None:
-                        target.copy_(torch.from_numpy(data).view(target.shape))
+            for state, start, stop in _ranges(t):  # the reads _read_spans planned the hashing of
+                target = t.param.data if state == "param" else getattr(f, state)
+                in_place = _host_view(target)
+                data = _read_range(path, entry, layout, t, state, start, stop, mine, in_place,
+                                   spans, found)
+                if in_place is None:
+                    target.copy_(torch.from_numpy(data).view(target.shape))
+                if state == "param" and f is not None and not f.main_is_model:
+                    f.main.copy_(torch.from_numpy(data[f.start:f.stop]))
         t.apply_write_back()
         return t.name, mine, found
 
