@@ -134,6 +134,19 @@ def _inline_hash_bytes() -> int:
     return int(raw)
 
 
+class _Layouts(dict):
+    """Each tensor file's layout, built from its manifest entry when first asked for: a load
+    builds only the layouts of what it reads, and each once."""
+
+    def __init__(self, entries: dict):
+        super().__init__()
+        self._entries = entries
+
+    def __missing__(self, name):
+        self[name] = layout = mf.file_layout(self._entries[name])
+        return layout
+
+
 @dataclass
 class _HashPlan:
     """Who hashes which bytes of the checkpoint's tensor files (see checksums.py)."""
@@ -159,13 +172,13 @@ def _check_files(root: str, m: dict) -> list:
     return mine
 
 
-def _read_spans(m: dict, tensors) -> dict:
+def _read_spans(m: dict, layouts, tensors) -> dict:
     """The file byte spans of this rank's load reads, per tensor, long enough to hash inline."""
     out: dict = {}
     shortest = _inline_hash_bytes()
     for t in tensors:
         entry = m["tensors"][t.name]
-        layout = mf.file_layout(entry)
+        layout = layouts[t.name]
         for state, start, stop in _ranges(t):
             for name, runs in _file_runs(entry, t, state, start, stop)[0]:
                 out.setdefault(t.name, []).extend(
@@ -173,24 +186,24 @@ def _read_spans(m: dict, tensors) -> dict:
     return out
 
 
-def _hash_plan(root: str, m: dict, tensors) -> _HashPlan:
+def _hash_plan(root: str, m: dict, layouts, tensors) -> _HashPlan:
     """Collective: files checked (sizes, headers), then every byte of every tensor file given
     one rank to hash, as it loads it where it can."""
     checks = run_everywhere(_check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
     spans = [None] * world
-    dist.all_gather_object(spans, run_everywhere(_read_spans, m, tensors))
+    dist.all_gather_object(spans, run_everywhere(_read_spans, m, layouts, tensors))
     inline, unread = {}, {}
     for name, entry in m["tensors"].items():
         holders = {r: s[name] for r, s in enumerate(spans) if name in s}
         owned, unread[name] = checksums.assign_pieces(
-            holders, len(mf.file_layout(entry).header), entry["file_size"], entry["block_bytes"])
+            holders, len(layouts[name].header), entry["file_size"], entry["block_bytes"])
         if owned.get(rank):
             inline[name] = sorted(owned[rank])
     return _HashPlan(inline, checksums.spread(unread, world)[rank], checks)
 
 
-def _check_hashes(root: str, m: dict, plan: _HashPlan, hashes: dict) -> int:
+def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) -> int:
     """Collective, after the load: hash what the load did not, gather every rank's hashes, and
     check the blocks of this rank's share of the files. Returns the bytes hashed after."""
 
@@ -219,7 +232,7 @@ def _check_hashes(root: str, m: dict, plan: _HashPlan, hashes: dict) -> int:
             entry = m["tensors"][name]
             hashed = [p for h in everyone for p in h.get(name, ())]
             problems += checksums.check_blocks(storage.safe_join(root, entry["file"]),
-                                               len(mf.file_layout(entry).header), entry["file_size"],
+                                               len(layouts[name].header), entry["file_size"],
                                                entry["block_bytes"], entry["checksums"], hashed)
         if problems:
             raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
@@ -252,18 +265,19 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     m, tensors, with_optim = run_everywhere(_prepare, root, model, optimizer, vocab_size, load_optim)
     if strict:
         _check_tensors(m, tensors, root, strict=True)
-    plan = _hash_plan(root, m, tensors) if verify else None
+    layouts = _Layouts(m["tensors"])
+    plan = _hash_plan(root, m, layouts, tensors) if verify else None
     hashes: dict = {}
 
     def restore():
-        _load_tensors(root, m, tensors, counter, plan.inline if plan else {}, hashes)
+        _load_tensors(root, m, layouts, tensors, counter, plan.inline if plan else {}, hashes)
         if with_optim:
             _set_adam_step(tensors, int((m.get("optimizer") or {}).get("step", 0)))
             if scheduler is not None and m.get("scheduler") is not None:
                 scheduler.load_state_dict(m["scheduler"])
 
     run_everywhere(restore)
-    rehashed = _check_hashes(root, m, plan, hashes) if plan is not None else 0
+    rehashed = _check_hashes(root, m, layouts, plan, hashes) if plan is not None else 0
     changed = not _same_layout(m["layout"], current_layout(optimizer))
     if load_rng and not changed:
         run_everywhere(rng.load, os.path.join(root, "rng"), dist.get_rank())
@@ -273,12 +287,10 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                       rehashed)
 
 
-def _load_tensors(root, m, tensors, counter, hash_spans: dict, hashes: dict) -> None:
+def _load_tensors(root, m, layouts, tensors, counter, hash_spans: dict, hashes: dict) -> None:
     """Each local tensor's weights and moments, read in place; several files in flight where
     this node has cores to spare (storage.read_threads), each thread counting its own bytes.
     The `hash_spans` of each tensor are hashed as they are read, into `hashes`."""
-    layouts = {name: mf.file_layout(m["tensors"][name]) for name in {t.name for t in tensors}}
-
     def load_one(t):
         mine, found = storage.ReadCounter(), []
         entry, layout = m["tensors"][t.name], layouts[t.name]
