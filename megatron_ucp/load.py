@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_ucp import manifest as mf
 from megatron_ucp import checksums, host_memory, rng, storage
 from megatron_ucp.collective import run_everywhere
-from megatron_ucp.errors import ConfigError, IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
 
@@ -128,10 +128,7 @@ def _inline_hash_bytes() -> int:
     """Reads shorter than this (a TP rank's half rows) are not hashed inline: each would be a
     piece to gather and combine. The pass after the load hashes those bytes, from the page
     cache the load has just filled. UCP_INLINE_HASH_BYTES overrides the 256 KiB."""
-    raw = os.environ.get("UCP_INLINE_HASH_BYTES", str(256 * 2**10))
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ConfigError(f"environment variable UCP_INLINE_HASH_BYTES={raw!r}: expected a positive integer")
-    return int(raw)
+    return storage.positive_int_env("UCP_INLINE_HASH_BYTES", 256 * 2**10)
 
 
 class _Layouts(dict):

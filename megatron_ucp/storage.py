@@ -160,14 +160,15 @@ class ReadCounter:
 
 # Files in flight per rank (positional reads and writes, fsync and crc32 release the GIL);
 # UCP_IO_THREADS overrides it, e.g. for a parallel file system that wants more.
-def _io_threads() -> int:
-    raw = os.environ.get("UCP_IO_THREADS", "4")
+def positive_int_env(name: str, default: int) -> int:
+    """The positive integer in environment variable `name` (`default` when unset)."""
+    raw = os.environ.get(name, str(default))
     if not raw.strip().isdigit() or int(raw) < 1:
-        raise ConfigError(f"environment variable UCP_IO_THREADS={raw!r}: expected a positive integer")
+        raise ConfigError(f"environment variable {name}={raw!r}: expected a positive integer")
     return int(raw)
 
 
-IO_THREADS = _io_threads()
+IO_THREADS = positive_int_env("UCP_IO_THREADS", 4)
 
 
 def _mapped_writes() -> bool:
