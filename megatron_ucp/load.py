@@ -20,6 +20,7 @@ from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
+from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, write_step
 
 
 @dataclass
@@ -269,7 +270,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     def restore():
         _load_tensors(root, m, layouts, tensors, counter, plan.inline if plan else {}, hashes)
         if with_optim:
-            _set_adam_step(tensors, int((m.get("optimizer") or {}).get("step", 0)))
+            _restore_optimizer_record(optimizer, m.get("optimizer") or {}, root)
             if scheduler is not None and m.get("scheduler") is not None:
                 scheduler.load_state_dict(m["scheduler"])
 
@@ -304,6 +305,8 @@ def _load_tensors(root, m, layouts, tensors, counter, hash_spans: dict, hashes: 
                 if state == "param" and f is not None and not f.main_is_model:
                     f.main.copy_(torch.from_numpy(data[f.start:f.stop]))
         t.apply_write_back()
+        if f is not None and f.store is not None:
+            f.store()  # the optimizer keeps its own copies (precision-aware: maybe bf16)
         return t.name, mine, found
 
     # Largest first, so that the threads' tails are short.
@@ -314,8 +317,12 @@ def _load_tensors(root, m, layouts, tensors, counter, hash_spans: dict, hashes: 
         hashes.setdefault(name, []).extend(found)
 
 
-def _set_adam_step(tensors, step: int) -> None:
-    for t in tensors:
-        if t.fragment is not None:
-            state = t.fragment.inner.state[t.fragment.key]
-            state["step"] = torch.tensor(float(step))
+def _restore_optimizer_record(optimizer, record: dict, root: str) -> None:
+    """Adam's step in the optimizer's own convention, and the fp16 loss scaler's state."""
+    write_step(optimizer, int(record.get("step", 0)))
+    scaler = record.get("grad_scaler")
+    if scaler is not None:
+        load_grad_scaler(optimizer, scaler)
+    elif grad_scaler_state(optimizer) is not None and dist.get_rank() == 0:
+        print(f" warning: {root} holds no loss-scaler state (saved without --fp16); the loss "
+              "scale starts afresh", flush=True)

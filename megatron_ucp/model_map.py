@@ -1,7 +1,7 @@
 """Megatron glue: name every local parameter as an atomic tensor and find its optimizer state.
 
-This is the only module that knows megatron-core's parameter names, attributes and optimizer
-classes. It turns (model chunks, optimizer) into a list of `LocalTensor`s: for each parameter
+This is the only module that knows megatron-core's parameter names and attributes (the
+optimizer's side is optimizer_state.py). It turns (model chunks, optimizer) into a list of `LocalTensor`s: for each parameter
 this rank holds, the atomic tensor it belongs to, its layout rule and TP coordinates, and the
 contiguous fragment of its flattened local tensor whose fp32 master weight and Adam moments live
 on this rank (the whole tensor without the distributed optimizer).
@@ -9,14 +9,14 @@ on this rank (the whole tensor without the distributed optimizer).
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 from megatron.core import parallel_state
 
-from megatron_ucp import host_memory
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.layout import Rule, atomic_shape_from_local, layer_offset
+from megatron_ucp.optimizer_state import Fragment, fragments as optimizer_fragments
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -26,24 +26,6 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 # megatron's legacy GroupedMLP fuses all local experts, transposed, in one tensor.
 _LEGACY_GROUPED = re.compile(r"^mlp\.experts\.weight([12])$")
-
-
-def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.view(-1)
-
-
-@dataclass
-class Fragment:
-    """Flat elements [start, stop) of a local parameter whose optimizer state lives here."""
-
-    start: int
-    stop: int
-    main: torch.Tensor  # fp32 master weight of those elements (1-D views, all three)
-    exp_avg: Optional[torch.Tensor]
-    exp_avg_sq: Optional[torch.Tensor]
-    inner: object  # the torch optimizer holding the state
-    key: torch.Tensor  # the parameter object `inner.state` is keyed by
-    main_is_model: bool  # the master weight is the model parameter itself (fp32, no copy)
 
 
 @dataclass
@@ -64,68 +46,6 @@ class LocalTensor:
         for canonical, target in self.write_back or ():
             with torch.no_grad():
                 target.copy_(canonical.t())
-
-
-def inner_optimizers(optimizer) -> list:
-    """The megatron optimizers behind `optimizer` (a chained one holds one per parameter kind)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def uses_distributed_optimizer(optimizer) -> bool:
-    """Whether any optimizer behind `optimizer` shards its state over data parallelism."""
-    return any(type(o).__name__ == "DistributedOptimizer" for o in inner_optimizers(optimizer))
-
-
-def ensure_adam_state(inner, overwritten: bool = False) -> None:
-    """Give every param of a torch Adam its initial state (step 0, zero moments) if absent.
-
-    `overwritten`: a load is about to fill every moment, so they are allocated (on huge
-    pages where the kernel allows), not zeroed.
-    """
-    from megatron_ucp.compat import init_torch_adam_state
-
-    init_torch_adam_state(inner, host_memory.empty_like if overwritten else torch.zeros_like)
-
-
-def optimizer_fragments(optimizer, for_load: bool = False) -> Dict[torch.nn.Parameter, Fragment]:
-    """Map each model parameter to the fragment of it whose optimizer state this rank holds."""
-    out = {}
-    for opt in inner_optimizers(optimizer):
-        inner = opt.optimizer
-        if inner is None:
-            continue
-        ensure_adam_state(inner, overwritten=for_load)
-        name = type(opt).__name__
-        if name == "DistributedOptimizer":
-            for gbuf_range_maps in opt.gbuf_ranges:
-                for per_bucket in gbuf_range_maps.values():
-                    for bucket in per_bucket:
-                        for model_param, ranges in bucket["param_map"].items():
-                            r = ranges["param"]
-                            t = opt._get_main_param_and_optimizer_states(model_param)
-                            out[model_param] = Fragment(
-                                r.start, r.end, t["param"].view(-1), _flat(t.get("exp_avg")),
-                                _flat(t.get("exp_avg_sq")), inner, t["param"],
-                                main_is_model=False,
-                            )
-        elif name == "Float16OptimizerWithFloat16Params":
-            pairs = []
-            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-                pairs += list(zip(model_group, main_group))
-            for group in opt.fp32_from_fp32_groups:
-                pairs += [(p, p) for p in group]
-            for model_param, main in pairs:
-                state = inner.state[main]
-                out[model_param] = Fragment(0, model_param.numel(), main.view(-1),
-                                            _flat(state.get("exp_avg")), _flat(state.get("exp_avg_sq")), inner,
-                                            main, main_is_model=main is model_param)
-        else:  # FP32Optimizer and other wrappers whose inner params are the model params
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    state = inner.state[p]
-                    out[p] = Fragment(0, p.numel(), p.data.view(-1), _flat(state.get("exp_avg")),
-                                      _flat(state.get("exp_avg_sq")), inner, p, main_is_model=True)
-    return out
 
 
 def _expert_rule(name: str, gated: bool) -> Rule:
@@ -264,7 +184,7 @@ def _legacy_grouped(name, which: str, param, fragment, gated: bool, num_local: i
                     pairs.append((copy, block(moment)))
                 moments.append(None if copy is None else copy.view(-1))
             frag = Fragment(0, canonical.numel(), main.view(-1), moments[0], moments[1],
-                            fragment.inner, fragment.key, fragment.main_is_model)
+                            fragment.main_is_model, fragment.store)
         atomic_name = f"{prefix}.local_experts.{ep_rank * num_local + i}.linear_fc{which}.weight"
         rule = _expert_rule(atomic_name, gated)
         atomic = atomic_shape_from_local(rule, tuple(canonical.shape), tp)

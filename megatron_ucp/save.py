@@ -28,7 +28,9 @@ from megatron_ucp import host_memory, ownership, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
-from megatron_ucp.model_map import inner_optimizers, local_tensors, uses_distributed_optimizer
+from megatron_ucp.model_map import local_tensors
+from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, read_step,
+                                          uses_distributed_optimizer)
 from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
                                row_merges)
 
@@ -95,21 +97,24 @@ def _tensor_entries(tensors, states) -> dict:
     return entries
 
 
-def _adam_step(tensors) -> int:
-    for t in tensors:
-        if t.fragment is not None:
-            state = t.fragment.inner.state.get(t.fragment.key, {})
-            if "step" in state:
-                return int(float(state["step"]))
-    return 0
-
-
 def _param_groups(optimizer) -> list:
     out = []
     for opt in inner_optimizers(optimizer):
         for g in opt.optimizer.param_groups:
-            out.append({k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple, list, type(None)))})
+            # The step is the record's own, whichever convention the optimizer keeps it in.
+            out.append({k: v for k, v in g.items() if k not in ("params", "step")
+                        and isinstance(v, (int, float, str, bool, tuple, list, type(None)))})
     return out
+
+
+def _optimizer_record(optimizer) -> dict:
+    """The optimizer's global state: Adam's step, its groups' hyper-parameters, and the fp16
+    loss scaler's state where there is one."""
+    record = {"type": "adam", "step": read_step(optimizer), "param_groups": _param_groups(optimizer)}
+    scaler = grad_scaler_state(optimizer)
+    if scaler is not None:
+        record["grad_scaler"] = scaler
+    return record
 
 
 def _prepare(save_dir: str, iteration: int) -> str:
@@ -399,7 +404,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     rows, send_buffers, transfers = _stage_rows(merges, rank, sources, staging,
                                                 torch.device("cpu") if async_save else _p2p_device())
     snapshot.update(rows)
-    head = _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
+    head = _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                           consumed_samples, args) if rank == 0 else None
     job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, transfers, entries,
                             part_shapes, rng.capture(), head, keep_last,
@@ -447,7 +452,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
     return final
 
 
-def _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, vocab_size,
+def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                    consumed_samples, args) -> dict:
     """Everything in the manifest but the checksums, taken when the save is called."""
     from megatron_ucp.train.model import unwrap
@@ -463,8 +468,7 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, tensors, voc
         "consumed_samples": int(consumed_samples),
         "architecture": mf.architecture(unwrap(model[0]), vocab_size),
         "layout": layout,
-        "optimizer": None if optimizer is None else {
-            "type": "adam", "step": _adam_step(tensors), "param_groups": _param_groups(optimizer)},
+        "optimizer": None if optimizer is None else _optimizer_record(optimizer),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "args": _jsonable(args or {}),
         "tensors": copy.deepcopy(entries),

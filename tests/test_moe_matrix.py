@@ -165,11 +165,12 @@ def test_fragment_cutting_a_legacy_grouped_tensor_is_refused():
     import torch
 
     from megatron_ucp.errors import LayoutError
-    from megatron_ucp.model_map import Fragment, _legacy_grouped
+    from megatron_ucp.model_map import _legacy_grouped
+    from megatron_ucp.optimizer_state import Fragment
 
     weight = torch.nn.Parameter(torch.zeros(8, 2 * 16))
     half = Fragment(0, weight.numel() // 2, torch.zeros(128), torch.zeros(128), torch.zeros(128),
-                    inner=None, key=weight, main_is_model=False)
+                    main_is_model=False)
     with pytest.raises(LayoutError, match=r"decoder\.layers\.3\.mlp\.experts\.weight1.*legacy grouped-GEMM"):
         _legacy_grouped("decoder.layers.3.mlp.experts.weight1", "1", weight, half, gated=True,
                         num_local=2)

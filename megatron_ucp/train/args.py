@@ -84,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("mixed precision and optimizer state")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 training with megatron's loss scaler (dynamic unless --loss-scale)")
+    g.add_argument("--loss-scale", type=float, default=None, help="a constant loss scale (fp16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="keep Adam's moments (and master weights) in the dtypes below inside "
+                        "transformer-engine's FusedAdam (needs --use-distributed-optimizer)")
+    for name in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        choices = ["fp32", "fp16"] if name == "--main-params-dtype" else ["fp32", "fp16", "bf16"]
+        g.add_argument(name, choices=choices, default="fp32")
+    g.add_argument("--fused-adam-standin", action="store_true",
+                   help="CPU: train with a stand-in for transformer-engine's FusedAdam (its state "
+                        "contract, torch's arithmetic), to prove the GPU optimizer's checkpoints "
+                        "on CPU (megatron_ucp/fused_adam_standin.py)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--loss-log", default=None, help="append one JSON line per iteration here")
@@ -292,6 +311,19 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
           f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
     _need(args.ckpt_format != "torch" or args.num_experts is None,
           "--ckpt-format torch is supported for dense models only (no --num-experts): use torch_dist or universal")
+    _need(not (args.fp16 and args.bf16), "give only one of --fp16 and --bf16")
+    _need(not args.fused_adam_standin or args.cpu,
+          "--fused-adam-standin is a CPU stand-in: on GPUs megatron-core takes transformer-engine's FusedAdam")
+    if args.use_precision_aware_optimizer:
+        _need(args.use_distributed_optimizer,
+              "--use-precision-aware-optimizer needs --use-distributed-optimizer (as in megatron-core)")
+        _need(not args.cpu or args.fused_adam_standin,
+              "--use-precision-aware-optimizer needs transformer-engine's FusedAdam: on CPU add "
+              "--fused-adam-standin")
+    else:
+        for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            _need(getattr(args, name) == "fp32",
+                  f"--{name.replace('_', '-')} {getattr(args, name)} needs --use-precision-aware-optimizer")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)

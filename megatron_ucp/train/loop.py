@@ -160,14 +160,19 @@ def session(argv=None):
     checkpointing.keep_saved_vocab_padding(args)
     initialize(args)
     state = None
-    try:
-        state = build_train_state(args)
-        yield args, state
-    finally:
-        if state is not None:
-            checkpointing.finish_pending_save(state)
-        parallel_state.destroy_model_parallel()
-        destroy_num_microbatches_calculator()
+    with contextlib.ExitStack() as stack:
+        if args.fused_adam_standin:
+            from megatron_ucp import fused_adam_standin
+
+            stack.enter_context(fused_adam_standin.installed())
+        try:
+            state = build_train_state(args)
+            yield args, state
+        finally:
+            if state is not None:
+                checkpointing.finish_pending_save(state)
+            parallel_state.destroy_model_parallel()
+            destroy_num_microbatches_calculator()
 
 
 def elastic_layout(args, world_size: int) -> None:

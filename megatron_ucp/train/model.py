@@ -33,8 +33,15 @@ def _have_te() -> bool:
         return False
 
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def params_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_config(args) -> TransformerConfig:
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = params_dtype(args)
     moe = {}
     if args.num_experts is not None:
         moe = dict(
@@ -82,6 +89,7 @@ def transformer_config(args) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
+        fp16=args.fp16,
         deterministic_mode=False,
         # gloo matches batched isend/irecv between the same two ranks in posting order, which
         # swaps activations and gradients when PP=2 sends both ways at once; megatron's
@@ -147,7 +155,7 @@ def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
             rotary_base=args.rotary_base,
             vp_stage=stage,
         )
-        if args.bf16:
+        if args.bf16 or args.fp16:
             from megatron.core.transformer.module import Float16Module
 
             gpt = Float16Module(config, gpt)
@@ -173,10 +181,11 @@ def unwrap(chunk: torch.nn.Module) -> GPTModel:
     return chunk
 
 
-def build_train_state(args) -> TrainState:
-    config = transformer_config(args)
-    model = build_model(args, config)
-    opt_config = OptimizerConfig(
+def optimizer_config(args) -> OptimizerConfig:
+    """Megatron-LM's optimizer settings. With the CPU stand-in for TE's FusedAdam, the
+    precision-aware optimizer is switched on after megatron's check for TE (fused_adam_standin)."""
+    aware = args.use_precision_aware_optimizer and not args.fused_adam_standin
+    config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
         min_lr=args.min_lr,
@@ -186,10 +195,32 @@ def build_train_state(args) -> TrainState:
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        params_dtype=params_dtype(args),
         use_distributed_optimizer=args.use_distributed_optimizer,
+        use_precision_aware_optimizer=aware,
+        **({"main_params_dtype": _DTYPES[args.main_params_dtype],
+            "exp_avg_dtype": _DTYPES[args.exp_avg_dtype],
+            "exp_avg_sq_dtype": _DTYPES[args.exp_avg_sq_dtype]} if aware else {}),
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    if args.use_precision_aware_optimizer and args.fused_adam_standin:
+        from megatron_ucp import fused_adam_standin
+
+        fused_adam_standin.precision_aware(config, _DTYPES[args.exp_avg_dtype],
+                                           _DTYPES[args.exp_avg_sq_dtype],
+                                           _DTYPES[args.main_params_dtype])
+    return config
+
+
+def build_train_state(args) -> TrainState:
+    config = transformer_config(args)
+    model = build_model(args, config)
+    optimizer = get_megatron_optimizer(optimizer_config(args), model)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
