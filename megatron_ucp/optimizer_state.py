@@ -121,12 +121,23 @@ def _distributed(opt, for_load: bool) -> Dict[torch.nn.Parameter, Fragment]:
                 for model_param, ranges in bucket["param_map"].items():
                     r = ranges["param"]
                     t = opt._get_main_param_and_optimizer_states(model_param)
+                    _need_fp32(t, model_param)
                     main, m, v = t["param"].view(-1), _flat(t.get("exp_avg")), _flat(t.get("exp_avg_sq"))
                     store = None
                     if aware and for_load:  # fp32 copies of the fused optimizer's own states
                         store = _setter(opt, model_param, {"param": main, "exp_avg": m, "exp_avg_sq": v})
                     out[model_param] = Fragment(r.start, r.end, main, m, v, False, store)
     return out
+
+
+def _need_fp32(tensors: dict, model_param) -> None:
+    """TE's store_param_remainders keeps only the low 16 bits of each fp32 master (int16)."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype != torch.float32:
+            raise LayoutError(
+                f"the optimizer returns {name} of a parameter of shape {list(model_param.shape)} as "
+                f"{t.dtype}, not fp32 values (transformer-engine's store_param_remainders keeps only "
+                "the low bits of the fp32 master weights): train with --no-store-param-remainders")
 
 
 def _setter(opt, model_param, tensors: dict) -> Callable[[], None]:

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"):
         choices = ["fp32", "fp16"] if name == "--main-params-dtype" else ["fp32", "fp16", "bf16"]
         g.add_argument(name, choices=choices, default="fp32")
+    g.add_argument("--no-store-param-remainders", dest="store_param_remainders", action="store_false",
+                   help="precision-aware optimizer: keep whole fp32 master weights (universal "
+                        "checkpoints need them), not bf16 params plus 16-bit remainders")
     g.add_argument("--fused-adam-standin", action="store_true",
                    help="CPU: train with a stand-in for transformer-engine's FusedAdam (its state "
                         "contract, torch's arithmetic), to prove the GPU optimizer's checkpoints "

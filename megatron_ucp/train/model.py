@@ -206,7 +206,8 @@ def optimizer_config(args) -> OptimizerConfig:
         use_precision_aware_optimizer=aware,
         **({"main_params_dtype": _DTYPES[args.main_params_dtype],
             "exp_avg_dtype": _DTYPES[args.exp_avg_dtype],
-            "exp_avg_sq_dtype": _DTYPES[args.exp_avg_sq_dtype]} if aware else {}),
+            "exp_avg_sq_dtype": _DTYPES[args.exp_avg_sq_dtype],
+            "store_param_remainders": args.store_param_remainders} if aware else {}),
     )
     if args.use_precision_aware_optimizer and args.fused_adam_standin:
         from megatron_ucp import fused_adam_standin
