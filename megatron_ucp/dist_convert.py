@@ -38,6 +38,7 @@ from megatron_ucp import manifest as mf
 from megatron_ucp import stream_write
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, layer_offset, local_shape, pieces
+from megatron_ucp.optimizer_state import saved_steps
 
 DIST_PREFIX = "optimizer.distributed.dp_group_idx_"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -617,9 +618,9 @@ def _step_and_groups(common: dict, reader: DcpReader, sharding: str):
         if not isinstance(found, list) or not found:
             raise FormatError(f"{reader.dir}: an optimizer without param_groups ({sorted(map(str, part))})")
         groups += found
-        steps |= {float(g["step"]) for g in found if "step" in g}
+        steps |= saved_steps(found)
         if "common_step" in (part.get("state") or {}):
-            steps.add(float(part["state"]["common_step"]))
+            steps.add(int(float(part["state"]["common_step"])))
     if len(steps) != 1:
         raise FormatError(f"{reader.dir}: optimizer steps {sorted(steps)}, one expected")
     return int(steps.pop()), _plain_groups(groups)

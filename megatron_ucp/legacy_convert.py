@@ -25,6 +25,7 @@ import numpy as np
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import stream_write
+from megatron_ucp.optimizer_state import saved_steps
 from megatron_ucp.errors import (
     ConfigError,
     FormatError,
@@ -450,18 +451,12 @@ def _buffer_layout(rank_dir, chunk_params, pp_rank, pp, vpp, tied, dp, bucket_si
 
 def _step_and_groups(sd, path, dist_opt):
     opt = sd.get("optimizer")
-    if dist_opt:
-        groups = opt["optimizer"]["param_groups"]
-        steps = {g.get("step") for g in groups}
-        if len(steps) != 1:
-            raise FormatError(f"{path}: optimizer groups have steps {steps}")
-        step = next(iter(steps))
-    else:
-        groups = opt["param_groups"]
-        steps = {int(float(s["step"])) for s in opt["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise FormatError(f"{path}: optimizer states have steps {steps}")
-        step = steps.pop() if steps else 0
+    # torch's Adam keeps the step per parameter, FusedAdam per param group (optimizer_state.py)
+    groups = opt["optimizer"]["param_groups"] if dist_opt else opt["param_groups"]
+    steps = saved_steps(groups, () if dist_opt else opt["state"].values())
+    if len(steps) > 1:
+        raise FormatError(f"{path}: optimizer holds steps {sorted(steps)}, one expected")
+    step = steps.pop() if steps else 0
     plain = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
               if k not in ("params", "step") and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
              for g in groups]

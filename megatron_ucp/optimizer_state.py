@@ -108,6 +108,16 @@ def write_step(optimizer, step: int) -> None:
                 group["step"] = int(step)
 
 
+def saved_steps(param_groups, param_states=()) -> set:
+    """The step counts a saved torch optimizer state dict holds, in either convention: per
+    parameter (torch's Adam) or per param group (FusedAdam; empty groups keep none, and groups
+    whose `params` were stripped count)."""
+    steps = {int(float(s["step"])) for s in param_states if isinstance(s, dict) and "step" in s}
+    steps |= {int(float(g["step"])) for g in param_groups
+              if g.get("step") is not None and g.get("params", True)}
+    return steps
+
+
 def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.view(-1)
 

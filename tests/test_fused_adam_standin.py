@@ -117,3 +117,20 @@ def test_the_step_count_in_either_convention(make):
         assert all(g["step"] == 11 for g in inner.param_groups)
     inner.step()
     assert read_step(megatron_like) == 12
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps), lambda ps: FusedAdamStandIn(ps)])
+def test_saved_state_dicts_give_their_step_in_either_convention(make):
+    """What the converters read from megatron's formats: torch's per-parameter steps, or
+    FusedAdam's group steps (an empty group has none; stripped `params` still count)."""
+    from megatron_ucp.optimizer_state import saved_steps
+
+    p = torch.nn.Parameter(torch.randn(4))
+    inner = make([{"params": [p]}, {"params": []}])
+    for _ in range(3):
+        p.grad = torch.randn(4)
+        inner.step()
+    sd = inner.state_dict()
+    assert saved_steps(sd["param_groups"], sd["state"].values()) == {3}
+    stripped = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"][:1]]
+    assert saved_steps(stripped + [{"step": None}]) == ({3} if "step" in sd["param_groups"][0] else set())

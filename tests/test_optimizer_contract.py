@@ -30,6 +30,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 BF16 = ["--bf16"]
 BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear"]
 # A loss scale that grows every 2 iterations (from 1024, far from overflowing these gradients:
 # a scale that settles at the overflow edge makes a skipped step depend on rounding, i.e. on TP).
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2"]
@@ -79,8 +80,26 @@ def w2(work):
         roundtrip_step("r_h_tp2", FP16 + TP2, d("H"), K, d("R_H")),
         train("hf_tp2", F + FP16 + TP2 + DIST, save=d("HF"), interval=K),
         train("hf_tp2_dp2", F + FP16 + DIST, load=d("HF"), step=K),
+        # MoE: a dense and an expert fused Adam chained, EP2 -> EP1.
+        train("m_f_ep2", F + MOE + DIST + ["--expert-model-parallel-size", "2"], save=d("FM"), interval=K),
+        train("m_f_ep1", F + MOE + DIST, load=d("FM"), step=K),
     ]
     return run_steps(2, steps, work / "w2")
+
+
+@pytest.fixture(scope="module")
+def w2n(work):
+    """The same fused-Adam runs saved in megatron's own formats (a group of their own: the
+    torch_dist writer leaves threads behind)."""
+    d = lambda name: str(work / name)  # noqa: E731
+    native = ["--ckpt-format", "torch_dist"]
+    legacy = ["--ckpt-format", "torch"]
+    return run_steps(2, [
+        train("fn_dp2", F + DIST + native, save=d("NF"), interval=K),
+        train("fn_dp2_resume", F + DIST + native, load=d("NF"), step=K, universal=False),
+        train("fl_tp2", F + TP2 + legacy, save=d("LF"), interval=K),
+        train("fl_dp2", F + DIST + legacy, save=d("LFD"), interval=K),
+    ], work / "w2n")
 
 
 def _after(history: dict) -> dict:
@@ -103,7 +122,7 @@ def test_fused_adam_resumes_bitwise_on_its_layout(w2, reference, resumed):
     ("torch_tp2", "torch_to_f_dp2", TOL), ("f_dp2", "f_to_torch_pp2", TOL),  # across optimizers
     ("fb_tp2", "fb_tp2_dp2", BF16_TOL), ("p_dp2", "p_dp2_tp2", BF16_TOL),
     ("p_dp2", "p_to_fp32_moments", BF16_TOL), ("fb_tp2", "fp32_to_p_moments", BF16_TOL),
-    ("h_dp2", "h_dp2_tp2", FP16_TOL), ("hf_tp2", "hf_tp2_dp2", FP16_TOL),
+    ("h_dp2", "h_dp2_tp2", FP16_TOL), ("hf_tp2", "hf_tp2_dp2", FP16_TOL), ("m_f_ep2", "m_f_ep1", TOL),
 ])
 def test_fused_adam_resumes_on_another_layout(w2, reference, resumed, tol):
     assert sorted(losses(w2, resumed)) == list(range(K + 1, N + 1))
@@ -148,6 +167,24 @@ def test_the_loss_scaler_state_moves_with_the_checkpoint(w2, work):
     assert saved == {"scale": 4096.0, "growth_tracker": 1, "hysteresis_tracker": 2}  # 1024 x 2 x 2
     assert _manifest(work, "R_H")["optimizer"]["grad_scaler"] == saved  # not 1024, 0: restored
     assert _manifest(work, "HF")["optimizer"]["grad_scaler"] == saved
+
+
+def test_megatron_resumes_its_own_format_with_fused_adam(w2n):
+    assert losses(w2n, "fn_dp2_resume") == _after(losses(w2n, "fn_dp2"))
+
+
+@pytest.mark.parametrize("run,source,direct", [("fn_dp2", "NF", "FA"), ("fl_tp2", "LF", "FB"),
+                                               ("fl_dp2", "LFD", "FA")])
+def test_fused_adam_checkpoints_in_megatrons_formats_convert_exactly(w2, w2n, work, run, source, direct):
+    """torch_dist (distributed optimizer) and legacy torch (with and without) checkpoints of a
+    fused-Adam run: the step from the param groups, the same state as the direct save."""
+    from megatron_ucp.convert import convert
+
+    ok(w2n, run), ok(w2, "f_dp2"), ok(w2, "f_tp2")
+    assert losses(w2n, run) == losses(w2, {"FA": "f_dp2", "FB": "f_tp2"}[direct])
+    convert(str(work / source), str(work / f"C{source}"), iteration=K, progress=False)
+    assert _manifest(work, f"C{source}")["optimizer"]["step"] == K
+    assert_same_state(work / direct / f"iter_{K:07d}", work / f"C{source}" / f"iter_{K:07d}")
 
 
 def _edited_copy(work, source, name, edit) -> str:
