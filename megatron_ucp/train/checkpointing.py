@@ -6,6 +6,7 @@ import time
 import torch.distributed as dist
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.manifest import tracker_iteration
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -17,14 +18,11 @@ def iteration_dir(root: str, iteration: int) -> str:
 def read_tracker(root: str) -> int:
     path = os.path.join(root, TRACKER)
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        with open(path, "rb") as f:
+            raw = f.read(4096)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?")
-    try:
-        return int(text)
-    except ValueError:
-        raise FormatError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    return tracker_iteration(raw, path)
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -123,6 +121,7 @@ def load(args, state, reseed=None):
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=iteration,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                load_scheduler=not args.no_load_scheduler,
                                 strict=not args.no_strict_load,
                                 verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
