@@ -92,9 +92,15 @@ def keep_saved_vocab_padding(args) -> None:
 
     Padding rows take part in the softmax, so changing their number changes the loss; Megatron
     only needs the padded size divisible by TP, so keeping the saved size keeps the loss curve.
+    Collective: a bad checkpoint is the same error on every rank.
     """
-    if not args.load:
-        return
+    if args.load:
+        from megatron_ucp.collective import run_everywhere
+
+        run_everywhere(_keep_saved_vocab_padding, args)
+
+
+def _keep_saved_vocab_padding(args) -> None:
     _, directory = _load_target(args)
     if not _is_universal(directory):
         return
@@ -114,7 +120,9 @@ def load(args, state, reseed=None):
 
     `reseed(iteration)` reseeds RNG when a universal checkpoint comes from another layout.
     """
-    iteration, directory = _load_target(args)
+    from megatron_ucp.collective import run_everywhere
+
+    iteration, directory = run_everywhere(_load_target, args)  # a bad tracker fails every rank
     if args.load_universal or (args.ckpt_format == "universal" and _is_universal(directory)):
         from megatron_ucp.api import load_universal
 
