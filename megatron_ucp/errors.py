@@ -43,7 +43,6 @@ def report(prog: str, error: UCPError, stream=None) -> int:
     """
     import os
     import sys
-
     import time
 
     rank = int(os.environ.get("RANK", "0") or 0)
