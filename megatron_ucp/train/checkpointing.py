@@ -32,6 +32,24 @@ def write_tracker(root: str, iteration: int) -> None:
     atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
 
 
+def claim_save_folder(args) -> None:
+    """Rank 0 takes the --save folder's owner lock when the job starts, not at its first save:
+    a second job is refused (on every rank) before it trains (ownership.py)."""
+    from megatron_ucp import ownership
+    from megatron_ucp.collective import run_everywhere
+
+    run_everywhere(lambda: ownership.claim(args.save) if dist.get_rank() == 0 else None)
+
+
+def release_save_folder(args) -> None:
+    """Rank 0 gives the --save folder up at a clean end of training (ownership.release)."""
+    from megatron_ucp import ownership
+
+    dist.barrier()  # every rank is done with the folder
+    if dist.get_rank() == 0:
+        ownership.release(args.save)
+
+
 def finish_pending_save(state) -> None:
     """Wait for an asynchronous save still in flight (before the next one, and before exit)."""
     if state.pending_save is not None:
