@@ -127,6 +127,9 @@ SCHEDULER = (
 # Read only when 'start_wd' is there, as megatron does.
 SCHEDULER_WD = ((("start_wd",), _NUMBER), (("end_wd",), _NUMBER), (("wd_incr_steps",), _COUNT),
                 (("wd_incr_style",), _TEXT))
+# The fp16 loss scaler's state (optimizer_state.grad_scaler_state), when the run had one.
+GRAD_SCALER = {"scale": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+               "growth_tracker": _COUNT, "hysteresis_tracker": _COUNT}
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -154,6 +157,9 @@ def check_optimizer(record, path: str) -> None:
     groups = record.get("param_groups")
     _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), path,
           f"'optimizer.param_groups' is {groups!r:.80}, expected a list of objects")
+    if record.get("grad_scaler") is not None:
+        _check_block(record["grad_scaler"] if isinstance(record["grad_scaler"], dict) else {},
+                     GRAD_SCALER, path, "optimizer.grad_scaler")
 
 
 def check_architecture(saved: dict, current: dict, path: str) -> None:
