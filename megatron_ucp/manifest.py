@@ -109,11 +109,11 @@ ARCHITECTURE = {
     "share_embeddings_and_output_weights": _FLAG,
 }
 # The layout that saved (save.current_layout); a converted checkpoint without RNG states
-# records no world size, so that a loader reseeds.
+# records no world size, so that a loader reseeds, and a legacy one may not know its DP size.
 LAYOUT = {
     "world_size": _OPTIONAL_SIZE, "tensor_model_parallel_size": _SIZE,
     "pipeline_model_parallel_size": _SIZE, "virtual_pipeline_model_parallel_size": _OPTIONAL_SIZE,
-    "data_parallel_size": _SIZE, "expert_model_parallel_size": _SIZE,
+    "data_parallel_size": _OPTIONAL_SIZE, "expert_model_parallel_size": _SIZE,
     "expert_tensor_parallel_size": _SIZE, "use_distributed_optimizer": _FLAG,
 }
 # The keys megatron's OptimizerParamScheduler.load_state_dict reads, each as the names it
