@@ -21,8 +21,8 @@ import pytest
 
 from harness import BASE, REPO, ok, run_steps
 from megatron_ucp import manifest as mf
-from megatron_ucp import ownership, storage
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError, LayoutError, SaveError
+from megatron_ucp import ownership
+from megatron_ucp.errors import FormatError, LayoutError, SaveError
 from test_inspect import ARCHITECTURE, RNG_STATE, _make_checkpoint
 
 # ---------------------------------------------------------------------------------------------
