@@ -10,11 +10,10 @@ Train on 2 CPU processes with tensor parallelism, saving universally, then resum
 Arguments follow Megatron-LM's names; `--help` lists them.
 """
 
-import os
 import sys
 import warnings
 
-from megatron_ucp.errors import ConfigError
+from megatron_ucp.errors import UCPError, report
 
 
 def main() -> int:
@@ -24,10 +23,8 @@ def main() -> int:
 
     try:
         pretrain(sys.argv[1:])
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt_ucp.py: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    except UCPError as e:  # bad arguments or a bad checkpoint: one line per job, no traceback
+        return report("pretrain_gpt_ucp.py", e)
     return 0
 
 

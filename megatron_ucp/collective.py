@@ -21,13 +21,14 @@ def agree(error: Optional[BaseException], group=None) -> None:
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if not failed:
         return
-    if error is not None:
-        raise error
-    rank, (kind, message) = failed[0]
-    cls = getattr(errors_module, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, UCPError)):
-        cls, message = UCPError, f"{kind}: {message}"
-    raise cls(f"{message} (raised on rank {rank})")
+    if error is None:
+        rank, (kind, message) = failed[0]
+        cls = getattr(errors_module, kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, UCPError)):
+            cls, message = UCPError, f"{kind}: {message}"
+        error = cls(f"{message} (raised on rank {rank})")
+    error.agreed = True  # raised on every rank: entry points print it once (errors.report)
+    raise error
 
 
 def run_everywhere(fn, *args, group=None, **kwargs):

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, UCPError, report
 
 # Arguments that describe where checkpoints go, not the model or the layout.
 _NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_universal",
@@ -175,5 +175,8 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the --worker processes of --via-megatron
+    try:
+        sys.exit(main())
+    except UCPError as e:
+        sys.exit(report("convert_to_universal", e))

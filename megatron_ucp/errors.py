@@ -31,3 +31,25 @@ class ConfigError(UCPError):
 
 class SaveError(UCPError):
     """A save failed (disk full, I/O error, another job owns the folder); nothing was committed."""
+
+
+def report(prog: str, error: UCPError, stream=None) -> int:
+    """Print `<prog>: error: <message>` once per job, not a traceback per rank; returns exit code 2.
+
+    An error agreed across ranks (collective.agree marks it) is raised on every rank: rank 0
+    prints it. Any other is printed by rank 0 and by each rank that has one unagreed (a rank's
+    own failure outside a collective; torchrun then stops the others). A ConfigError comes
+    from the same arguments on every rank: rank 0 prints it.
+    """
+    import os
+    import sys
+    import time
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    quiet = getattr(error, "agreed", False) or isinstance(error, ConfigError)
+    if rank == 0 or not quiet:
+        message = " ".join(str(error).split("\n"))
+        print(f"{prog}: error: {message}", file=stream or sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(2)  # torchrun stops the other workers when one exits: let rank 0 print first
+    return 2

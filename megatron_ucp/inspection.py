@@ -24,11 +24,9 @@ def resolve(path: str) -> str:
     if not os.path.isfile(tracker):
         raise IncompleteCheckpointError(
             f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
-    with open(tracker) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise IncompleteCheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}")
-    return os.path.join(path, f"iter_{int(text):07d}")
+    with open(tracker, "rb") as f:
+        raw = f.read(4096)
+    return os.path.join(path, f"iter_{mf.tracker_iteration(raw, tracker):07d}")
 
 
 def _file_bytes(entry: dict) -> int:
@@ -155,10 +153,13 @@ def _verify_rng(directory: str, layout: dict) -> list:
     problems = []
     for fname in sorted(os.listdir(folder)):
         if fname.endswith(".json"):
+            path = os.path.join(folder, fname)
             try:
-                storage.read_json(os.path.join(folder, fname), "RNG state")
+                state = storage.read_json(path, "RNG state")
             except UCPError as e:
                 problems.append(str(e))
+                continue
+            problems += [mf.rng_problem_message(path, p) for p in mf.rng_problems(state)]
     world = layout.get("world_size")
     for rank in range(world if isinstance(world, int) else 0):
         p = os.path.join(folder, f"rank_{rank:05d}.json")

@@ -533,6 +533,7 @@ def _architecture(a: dict, vocab: int) -> dict:
         "kv_channels": int(a.get("kv_channels") or hidden // heads),
         "gated_linear_unit": bool(a.get("swiglu")), "normalization": a.get("normalization", "LayerNorm"),
         "add_bias_linear": bool(add_bias), "num_experts": None, "moe_ffn_hidden_size": None,
+        "moe_layer_pattern": None, "moe_shared_expert_intermediate_size": None,  # dense only
         "vocab_size": int(vocab), "position_embedding_type": a.get("position_embedding_type", "learned_absolute"),
         "share_embeddings_and_output_weights": not a.get("untie_embeddings_and_output_weights"),
     }

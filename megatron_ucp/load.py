@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_ucp import manifest as mf
 from megatron_ucp import checksums, host_memory, rng, storage
 from megatron_ucp.collective import run_everywhere
-from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
 from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, write_step
@@ -110,19 +110,40 @@ def _same_layout(saved: dict, current: dict) -> bool:
     return all(saved.get(k) == current[k] for k in keys)
 
 
-def _prepare(root, model, optimizer, vocab_size, load_optim):
+def _missing_pieces(m: dict, path: str, optimizer, scheduler, load_optim, load_scheduler) -> None:
+    """What the caller asked to load must be in the checkpoint: a missing piece is an error
+    naming the flag that skips it, never a silent fresh start."""
+    if optimizer is None or not load_optim:
+        return
+    if m.get("optimizer") is None or any("exp_avg" not in e["states"] for e in m["tensors"].values()
+                                         if not e.get("buffer")):
+        raise IncompleteCheckpointError(
+            f"{path}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
+    if scheduler is not None and load_scheduler and m.get("scheduler") is None:
+        raise IncompleteCheckpointError(
+            f"{path}: 'scheduler' is null, the checkpoint holds no learning-rate scheduler state; "
+            "load with load_scheduler=False (--no-load-scheduler) to start a fresh one")
+
+
+def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_optim, load_scheduler,
+             load_rng):
+    """The manifest checked as a whole, and this rank's RNG state read, before any tensor is."""
     m = mf.read_manifest(root)
+    path = os.path.join(root, mf.MANIFEST)
+    from megatron_ucp.save import current_layout
     from megatron_ucp.train.model import unwrap
 
+    if m["iteration"] != iteration:
+        raise FormatError(f"{path}: 'iteration' is {m['iteration']}, expected {iteration} "
+                          "(the iteration asked for, or the tracker's)")
     mf.check_architecture(m["architecture"], mf.architecture(unwrap(model[0]), vocab_size), root)
+    _missing_pieces(m, path, optimizer, scheduler, load_optim, load_scheduler)
     with_optim = optimizer is not None and load_optim
-    if with_optim and any("exp_avg" not in e["states"] for e in m["tensors"].values()
-                          if not e.get("buffer")):
-        raise IncompleteCheckpointError(
-            f"{root}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
     tensors = local_tensors(model, optimizer if with_optim else None, vocab_size, for_load=True)
     _check_tensors(m, tensors, root, strict=False)
-    return m, tensors, with_optim
+    changed = not _same_layout(m["layout"], current_layout(optimizer))
+    rng_state = rng.read(os.path.join(root, "rng"), dist.get_rank()) if load_rng and not changed else None
+    return m, tensors, with_optim, changed, rng_state
 
 
 def _inline_hash_bytes() -> int:
@@ -242,7 +263,8 @@ def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) ->
 def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, vocab_size: int,
                    iteration: Optional[int] = None, load_optim: bool = True,
                    load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
-                   counter: Optional[storage.ReadCounter] = None) -> LoadResult:
+                   counter: Optional[storage.ReadCounter] = None,
+                   load_scheduler: bool = True) -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
     Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
@@ -251,16 +273,19 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     the checkpoint from the bytes the load reads (checksums.py; bytes nobody loads are read
     after), raising before anything returns. `strict` refuses checkpoint tensors that have no
     place in the model. `reseed(iteration)` is called when the layout changed (or RNG is not
-    loaded), to reseed deterministically.
+    loaded), to reseed deterministically. The manifest is checked as a whole first: what was
+    asked for (optimizer state with `load_optim`, scheduler state with `load_scheduler` as
+    well, RNG state of this rank with `load_rng` on the same layout) must be there.
     """
-    from megatron_ucp.save import current_layout
     from megatron_ucp.train.checkpointing import iteration_dir, read_tracker
 
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
     counter = counter if counter is not None else storage.ReadCounter()
-    m, tensors, with_optim = run_everywhere(_prepare, root, model, optimizer, vocab_size, load_optim)
+    m, tensors, with_optim, changed, rng_state = run_everywhere(
+        _prepare, root, model, optimizer, scheduler, vocab_size, iteration, load_optim,
+        load_scheduler, load_rng)
     if strict:
         _check_tensors(m, tensors, root, strict=True)
     layouts = _Layouts(m["tensors"])
@@ -270,15 +295,14 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     def restore():
         _load_tensors(root, m, layouts, tensors, counter, plan.inline if plan else {}, hashes)
         if with_optim:
-            _restore_optimizer_record(optimizer, m.get("optimizer") or {}, root)
-            if scheduler is not None and m.get("scheduler") is not None:
+            _restore_optimizer_record(optimizer, m["optimizer"], root)
+            if scheduler is not None and load_scheduler:
                 scheduler.load_state_dict(m["scheduler"])
 
     run_everywhere(restore)
     rehashed = _check_hashes(root, m, layouts, plan, hashes) if plan is not None else 0
-    changed = not _same_layout(m["layout"], current_layout(optimizer))
-    if load_rng and not changed:
-        run_everywhere(rng.load, os.path.join(root, "rng"), dist.get_rank())
+    if rng_state is not None:
+        run_everywhere(rng.restore, rng_state)
     elif reseed is not None:
         reseed(int(m["iteration"]))
     return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m,

@@ -4,6 +4,7 @@ See docs/FORMAT.md. `read_manifest` validates structure before anything trusts i
 names the file and the key at fault.
 """
 
+import math
 import os
 import re
 from typing import Dict, Optional
@@ -75,11 +76,153 @@ def architecture(gpt, vocab_size: int) -> dict:
     }
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
+
+
+def _is_number(v) -> bool:
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+_COUNT = (lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+_SIZE = (lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+_OPTIONAL_SIZE = (_optional(_SIZE[0]), "null or an integer >= 1")
+_FLAG = (lambda v: isinstance(v, bool), "true or false")
+_TEXT = (lambda v: isinstance(v, str), "a string")
+_NUMBER = (_is_number, "a finite number")
+_PATTERN = (_optional(lambda v: isinstance(v, list) and all(_is_int(x) and x in (0, 1) for x in v)),
+            "null or a list of 0 and 1")
+
+# Every key `architecture()` writes, and what it must hold: a block lacking one cannot be
+# compared with the model, so it is refused rather than skipped.
+ARCHITECTURE = {
+    "num_layers": _SIZE, "hidden_size": _SIZE, "ffn_hidden_size": _SIZE,
+    "num_attention_heads": _SIZE, "num_query_groups": _SIZE, "kv_channels": _SIZE,
+    "gated_linear_unit": _FLAG, "normalization": _TEXT, "add_bias_linear": _FLAG,
+    "num_experts": _OPTIONAL_SIZE, "moe_ffn_hidden_size": _OPTIONAL_SIZE,
+    "moe_layer_pattern": _PATTERN, "moe_shared_expert_intermediate_size": _OPTIONAL_SIZE,
+    "vocab_size": _SIZE, "position_embedding_type": _TEXT,
+    "share_embeddings_and_output_weights": _FLAG,
+}
+# The layout that saved (save.current_layout); a converted checkpoint without RNG states
+# records no world size, so that a loader reseeds, and a legacy one may not know its DP size.
+LAYOUT = {
+    "world_size": _OPTIONAL_SIZE, "tensor_model_parallel_size": _SIZE,
+    "pipeline_model_parallel_size": _SIZE, "virtual_pipeline_model_parallel_size": _OPTIONAL_SIZE,
+    "data_parallel_size": _OPTIONAL_SIZE, "expert_model_parallel_size": _SIZE,
+    "expert_tensor_parallel_size": _SIZE, "use_distributed_optimizer": _FLAG,
+}
+# The keys megatron's OptimizerParamScheduler.load_state_dict reads, each as the names it
+# accepts in the order it tries them (older Megatron-LM names first).
+SCHEDULER = (
+    (("start_lr", "max_lr"), _NUMBER), (("min_lr",), _NUMBER),
+    (("warmup_iter", "warmup_steps", "lr_warmup_steps"), _COUNT),
+    (("end_iter", "decay_steps", "lr_decay_steps"), _COUNT),
+    (("decay_style", "lr_decay_style"), _TEXT), (("num_iters", "num_steps"), _COUNT),
+)
+# Read only when 'start_wd' is there, as megatron does.
+SCHEDULER_WD = ((("start_wd",), _NUMBER), (("end_wd",), _NUMBER), (("wd_incr_steps",), _COUNT),
+                (("wd_incr_style",), _TEXT))
+# The fp16 loss scaler's state (optimizer_state.grad_scaler_state), when the run had one.
+GRAD_SCALER = {"scale": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+               "growth_tracker": _COUNT, "hysteresis_tracker": _COUNT}
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def _check_block(block: dict, schema: dict, path: str, where: str) -> None:
+    """Every key of `schema` present in `block`, each holding what the schema says."""
+    for key, (ok, expected) in schema.items():
+        _need(key in block, path, f"'{where}' lacks {key!r} (expected {expected})")
+        _need(ok(block[key]), path, f"'{where}.{key}' is {block[key]!r}, expected {expected}")
+
+
+def check_scheduler(record, path: str) -> None:
+    """A scheduler record megatron's load_state_dict can read: every key it reads, of its type."""
+    _need(isinstance(record, dict), path, f"'scheduler' is {type(record).__name__}, expected an object or null")
+    for names, (ok, expected) in SCHEDULER + (SCHEDULER_WD if "start_wd" in record else ()):
+        found = next((n for n in names if n in record), None)
+        _need(found is not None, path, f"'scheduler' lacks {names[-1]!r} (expected {expected})")
+        _need(ok(record[found]), path, f"'scheduler.{found}' is {record[found]!r}, expected {expected}")
+
+
+def check_optimizer(record, path: str) -> None:
+    """The optimizer record save writes: Adam, its global step, its param groups' settings."""
+    _need(isinstance(record, dict), path, f"'optimizer' is {type(record).__name__}, expected an object or null")
+    _need(record.get("type") == "adam", path, f"'optimizer.type' is {record.get('type')!r}, expected 'adam'")
+    _need(_COUNT[0](record.get("step")), path, f"'optimizer.step' is {record.get('step')!r}, expected {_COUNT[1]}")
+    groups = record.get("param_groups")
+    _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), path,
+          f"'optimizer.param_groups' is {groups!r:.80}, expected a list of objects")
+    if record.get("grad_scaler") is not None:
+        _check_block(record["grad_scaler"] if isinstance(record["grad_scaler"], dict) else {},
+                     GRAD_SCALER, path, "optimizer.grad_scaler")
+
+
 def check_architecture(saved: dict, current: dict, path: str) -> None:
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, model {v!r}" for k, v in current.items()
-             if k in saved and saved[k] != v]
+    """Every fact of the model equal in the checkpoint; a fact the checkpoint lacks is a misfit."""
+    missing = object()
+    diffs = [f"{k}: checkpoint {'(none)' if saved.get(k, missing) is missing else repr(saved[k])}, model {v!r}"
+             for k, v in current.items() if saved.get(k, missing) != v]
     if diffs:
         raise LayoutError(f"{path}: checkpoint does not fit the model ({'; '.join(diffs)})")
+
+
+def _words(n, bits: int):
+    """A check for a list of `n` unsigned integers of `bits` bits (any non-empty list if n is None)."""
+    top = 1 << bits
+    return lambda v: (isinstance(v, list) and (len(v) == n if n is not None else bool(v))
+                      and all(type(x) is int and 0 <= x < top for x in v))
+
+
+def _real(v) -> bool:
+    return type(v) in (int, float)
+
+
+def rng_problems(state, torch_bytes=None, tracker=None) -> list:
+    """What makes an RNG file's state unusable (rng.py restores it): (key, found, expected) each.
+
+    `torch_bytes` and `tracker` ({name: bytes}) are the reader's own generators' sizes; None
+    (the inspect tool, without torch) checks only the structure."""
+    if not isinstance(state, dict):
+        return [("", type(state).__name__, "an object")]
+    py, npy, trk = state.get("python"), state.get("numpy"), state.get("tracker")
+    names = "an object of " + (", ".join(f"{k!r}: {n} bytes" for k, n in sorted(tracker.items()))
+                               if tracker is not None else "byte lists")
+    checks = [
+        ("python", isinstance(py, list) and len(py) == 3 and type(py[0]) is int and py[0] == 3
+         and _words(625, 32)(py[1]) and py[1][-1] <= 624 and (py[2] is None or _real(py[2])),
+         "[3, 625 integers < 2**32 ending in a position <= 624, null or a number]"),
+        ("numpy", isinstance(npy, list) and len(npy) == 5 and npy[0] == "MT19937"
+         and _words(624, 32)(npy[1]) and type(npy[2]) is int and 0 <= npy[2] <= 624
+         and type(npy[3]) is int and npy[3] in (0, 1) and _real(npy[4]),
+         "['MT19937', 624 integers < 2**32, a position <= 624, 0 or 1, a number]"),
+        ("torch", _words(torch_bytes, 8)(state.get("torch")),
+         f"{torch_bytes or 'a list of'} bytes (integers 0..255)"),
+        ("cuda", state.get("cuda") is None or _words(None, 8)(state.get("cuda")), "null or a list of bytes"),
+        ("tracker", isinstance(trk, dict) and (tracker is None or set(trk) == set(tracker))
+         and all(_words(tracker[k] if tracker is not None else None, 8)(v) for k, v in trk.items()),
+         names),
+    ]
+    return [(key, state.get(key), expected) for key, ok, expected in checks if not ok]
+
+
+def rng_problem_message(path: str, found: tuple) -> str:
+    key, value, expected = found
+    shown = f"a list of {len(value)}" if isinstance(value, list) else f"{value!r:.60}"
+    return f"{path}: {key!r} is {shown}, expected {expected}"
+
+
+def tracker_iteration(raw: bytes, path: str) -> int:
+    """The iteration a tracker file names: ASCII digits only (int() would take '-4', '+4',
+    '4_0' and other scripts' digits), so that it names an `iter_XXXXXXX` folder."""
+    found = re.fullmatch(rb"\s*([0-9]{1,19})\s*", raw)
+    if found is None:
+        raise FormatError(f"{path}: expected an iteration number (digits 0-9), found {raw[:40]!r}")
+    return int(found.group(1))
 
 
 def _need(cond, path, message):
@@ -98,6 +241,7 @@ def read_manifest(directory: str) -> dict:
     for key, kind in (("iteration", int), ("consumed_samples", int), ("tensors", dict),
                       ("architecture", dict), ("layout", dict)):
         _need(isinstance(m.get(key), kind), path, f"key {key!r} missing or not {kind.__name__}")
+    _check_meaning(m, path, directory)
     tensors: Dict[str, dict] = m["tensors"]
     for name, entry in tensors.items():
         where = f"tensor {name!r}"
@@ -118,6 +262,24 @@ def read_manifest(directory: str) -> dict:
         except (KeyError, LayoutError, TypeError, ValueError) as e:
             raise FormatError(f"{path}: {where}: bad rule {entry.get('rule')!r} ({e})") from None
     return m
+
+
+def _check_meaning(m: dict, path: str, directory: str) -> None:
+    """What the manifest says about the run agrees with itself and with its folder's name."""
+    for key in ("iteration", "consumed_samples"):
+        _need(_COUNT[0](m[key]), path, f"'{key}' is {m[key]!r}, expected {_COUNT[1]}")
+    folder = _ITER_DIR.match(os.path.basename(os.path.normpath(directory)))
+    _need(folder is None or int(folder.group(1)) == m["iteration"], path,
+          f"'iteration' is {m['iteration']}, expected {int(folder.group(1)) if folder else ''} "
+          f"(the number of its folder)")
+    _check_block(m["architecture"], ARCHITECTURE, path, "architecture")
+    _check_block(m["layout"], LAYOUT, path, "layout")
+    if "padded_vocab_size" in m["layout"]:
+        _check_block(m["layout"], {"padded_vocab_size": _SIZE}, path, "layout")
+    if m.get("optimizer") is not None:
+        check_optimizer(m["optimizer"], path)
+    if m.get("scheduler") is not None:
+        check_scheduler(m["scheduler"], path)
 
 
 def jsonable(obj):

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel
 
+from megatron_ucp import manifest as mf
 from megatron_ucp import storage
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 
 
 def _path(directory: str, rank: int) -> str:
@@ -35,6 +37,7 @@ def capture() -> dict:
 
 
 def restore(state: dict) -> None:
+    """Set every generator from `state` (as `read` returns it: checked)."""
     py_version, py_state, py_gauss = state["python"]
     random.setstate((py_version, tuple(py_state), py_gauss))
     version, keys, pos, has_gauss, cached = state["numpy"]
@@ -46,10 +49,37 @@ def restore(state: dict) -> None:
     tracker.set_states({k: torch.tensor(v, dtype=torch.uint8) for k, v in state["tracker"].items()})
 
 
+def problems(state) -> list:
+    """What makes `state` unusable by `restore` in this process (manifest.rng_problems), with
+    the lengths of this process's own generators and its tracker's names: the generators'
+    setters fail with bare TypeErrors or, worse, accept a short state."""
+    tracker = {k: v.numel() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    return mf.rng_problems(state, torch.get_rng_state().numel(), tracker)
+
+
 def save(directory: str, rank: int, state: dict = None) -> None:
     """Write `state` (by default, the state now) as this rank's RNG file."""
     storage.atomic_write_json(_path(directory, rank), state if state is not None else capture())
 
 
+def read(directory: str, rank: int) -> dict:
+    """This rank's RNG state, checked: FormatError naming the file and key, or
+    IncompleteCheckpointError naming --no-load-rng when the file is missing."""
+    path = _path(directory, rank)
+    if not os.path.lexists(path):
+        raise IncompleteCheckpointError(
+            f"{path}: RNG state of rank {rank} is missing; load with load_rng=False (--no-load-rng) "
+            "to reseed instead")
+    return checked(storage.read_json(path, f"RNG state of rank {rank}"), path)
+
+
+def checked(state, path: str) -> dict:
+    """`state` if `restore` can use it, else FormatError naming `path` and the key at fault."""
+    found = problems(state)
+    if found:
+        raise FormatError(mf.rng_problem_message(path, found[0]))
+    return state
+
+
 def load(directory: str, rank: int) -> None:
-    restore(storage.read_json(_path(directory, rank), f"RNG state of rank {rank}"))
+    restore(read(directory, rank))

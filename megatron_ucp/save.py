@@ -482,7 +482,12 @@ def _commit(save_dir, tmp, final, iteration, manifest, all_checksums, keep_last)
     for c in all_checksums:
         for name, info in c.items():
             manifest["tensors"][name].update(info)
-    storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), manifest)
+    path = os.path.join(tmp, mf.MANIFEST)
+    try:
+        storage.atomic_write_json(path, manifest)
+    except OSError as e:  # a full disk's error names no file
+        raise SaveError(f"save of iteration {iteration} to {save_dir} failed, nothing committed: "
+                        f"writing the manifest {path} failed: {e}") from e
     storage.fsync_dir(os.path.join(tmp, "tensors"))
     storage.fsync_dir(os.path.join(tmp, "rng"))
     _replace_dir(tmp, final)

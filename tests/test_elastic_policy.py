@@ -186,10 +186,14 @@ def test_latest_checkpoint_found_or_none(tmp_path):
     with pytest.raises(FormatError, match="convert_to_universal"):
         latest_checkpoint(args)
     layout = {"world_size": 4, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
-              "data_parallel_size": 2}
+              "virtual_pipeline_model_parallel_size": None, "data_parallel_size": 2,
+              "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2,
+              "use_distributed_optimizer": True}
+    from test_inspect import ARCHITECTURE  # read_manifest needs complete blocks
+
     atomic_write_json(str(tmp_path / "ckpt" / "iter_0000008" / "ucp.json"),
                       {"format": "megatron-ucp", "version": 1, "iteration": 8, "consumed_samples": 64,
-                       "tensors": {}, "architecture": {}, "layout": layout})
+                       "tensors": {}, "architecture": ARCHITECTURE, "layout": layout})
     iteration, directory, saved = latest_checkpoint(args)
     assert (iteration, saved) == (8, layout) and directory.endswith("iter_0000008")
     assert elastic.saved_description(saved) == "TP2 PP1 DP2 on 4 ranks"

@@ -28,6 +28,22 @@ TENSORS = {  # name: (shape, rule, padding_rows)
 }
 
 
+# Complete blocks, as a save writes them (read_manifest refuses a partial one).
+ARCHITECTURE = {
+    "num_layers": 1, "hidden_size": 8, "ffn_hidden_size": 32, "num_attention_heads": 2,
+    "num_query_groups": 2, "kv_channels": 4, "gated_linear_unit": True, "normalization": "RMSNorm",
+    "add_bias_linear": False, "num_experts": None, "moe_ffn_hidden_size": None, "moe_layer_pattern": None,
+    "moe_shared_expert_intermediate_size": None, "vocab_size": 10,
+    "position_embedding_type": "rope", "share_embeddings_and_output_weights": True,
+}
+LAYOUT = {"world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+          "virtual_pipeline_model_parallel_size": None, "data_parallel_size": 1,
+          "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+          "use_distributed_optimizer": False, "padded_vocab_size": 16}
+RNG_STATE = {"python": [3, [5] * 624 + [624], None], "numpy": ["MT19937", [7] * 624, 624, 0, 0.0],
+             "torch": [1] * 16, "cuda": None, "tracker": {"model-parallel-rng": [2] * 16}}
+
+
 def _make_checkpoint(save: Path) -> Path:
     root = save / f"iter_{ITERATION:07d}"
     (root / "tensors").mkdir(parents=True)
@@ -49,12 +65,11 @@ def _make_checkpoint(save: Path) -> Path:
     storage.atomic_write_json(str(root / mf.MANIFEST), {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": ITERATION,
         "consumed_samples": 96,
-        "architecture": {"num_layers": 1, "hidden_size": 8, "vocab_size": 10},
-        "layout": {"world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                   "data_parallel_size": 1, "padded_vocab_size": 16},
-        "optimizer": {"type": "adam", "step": 3}, "scheduler": None, "args": {}, "tensors": entries,
+        "architecture": ARCHITECTURE, "layout": LAYOUT,
+        "optimizer": {"type": "adam", "step": 3, "param_groups": []}, "scheduler": None, "args": {},
+        "tensors": entries,
     })
-    storage.atomic_write_json(str(root / "rng" / "rank_00000.json"), {"python": [3, [1, 2], None]})
+    storage.atomic_write_json(str(root / "rng" / "rank_00000.json"), RNG_STATE)
     (save / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
     return root
 

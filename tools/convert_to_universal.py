@@ -20,11 +20,10 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ucp.convert import main  # noqa: E402
-from megatron_ucp.errors import UCPError  # noqa: E402
+from megatron_ucp.errors import UCPError, report  # noqa: E402
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
     except UCPError as e:
-        print(f"convert_to_universal: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report("convert_to_universal", e))

@@ -19,7 +19,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ucp.errors import UCPError  # noqa: E402
+from megatron_ucp.errors import UCPError, report  # noqa: E402
 from megatron_ucp.inspection import describe, format_table, verify  # noqa: E402
 
 
@@ -35,9 +35,10 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         problems = verify(args.checkpoint) if args.verify else None
         elapsed = time.perf_counter() - start
-    except (UCPError, OSError) as e:
-        print(f"error: {e}".replace("\n", " "), file=sys.stderr)
-        return 2
+    except UCPError as e:
+        return report("inspect_checkpoint", e)
+    except OSError as e:
+        return report("inspect_checkpoint", UCPError(str(e)))
     if args.json:
         if problems is not None:
             desc["problems"] = problems

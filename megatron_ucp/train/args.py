@@ -138,8 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="universal: skip the block-checksum verification of a checkpoint on load")
     g.add_argument("--no-strict-load", action="store_true",
                    help="universal: ignore checkpoint tensors that have no place in the model")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load optimizer state (nor the scheduler's, as in Megatron-LM)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="do not load RNG state: reseed from --seed and the iteration")
+    g.add_argument("--no-load-scheduler", action="store_true",
+                   help="universal: start a fresh learning-rate scheduler (needed when the checkpoint holds "
+                        "none: otherwise that is an error)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")
 
     g = p.add_argument_group("elastic training")
@@ -310,6 +315,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
           "--async-save needs --ckpt-format universal")
     _need(not args.elastic or args.ckpt_format == "universal",
           "--elastic needs --ckpt-format universal (torch_dist and torch checkpoints load only on their own layout)")
+    _need(args.ckpt_step is None or args.ckpt_step >= 0, f"--ckpt-step must be >= 0, got {args.ckpt_step}")
     _need(args.distributed_timeout_minutes > 0,
           f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
     _need(args.ckpt_format != "torch" or args.num_experts is None,

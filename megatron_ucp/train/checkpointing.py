@@ -6,6 +6,7 @@ import time
 import torch.distributed as dist
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.manifest import tracker_iteration
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -17,14 +18,11 @@ def iteration_dir(root: str, iteration: int) -> str:
 def read_tracker(root: str) -> int:
     path = os.path.join(root, TRACKER)
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        with open(path, "rb") as f:
+            raw = f.read(4096)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?")
-    try:
-        return int(text)
-    except ValueError:
-        raise FormatError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    return tracker_iteration(raw, path)
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -32,6 +30,24 @@ def write_tracker(root: str, iteration: int) -> None:
     from megatron_ucp.storage import atomic_write_bytes
 
     atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
+
+
+def claim_save_folder(args) -> None:
+    """Rank 0 takes the --save folder's owner lock when the job starts, not at its first save:
+    a second job is refused (on every rank) before it trains (ownership.py)."""
+    from megatron_ucp import ownership
+    from megatron_ucp.collective import run_everywhere
+
+    run_everywhere(lambda: ownership.claim(args.save) if dist.get_rank() == 0 else None)
+
+
+def release_save_folder(args) -> None:
+    """Rank 0 gives the --save folder up at a clean end of training (ownership.release)."""
+    from megatron_ucp import ownership
+
+    dist.barrier()  # every rank is done with the folder
+    if dist.get_rank() == 0:
+        ownership.release(args.save)
 
 
 def finish_pending_save(state) -> None:
@@ -94,9 +110,15 @@ def keep_saved_vocab_padding(args) -> None:
 
     Padding rows take part in the softmax, so changing their number changes the loss; Megatron
     only needs the padded size divisible by TP, so keeping the saved size keeps the loss curve.
+    Collective: a bad checkpoint is the same error on every rank.
     """
-    if not args.load:
-        return
+    if args.load:
+        from megatron_ucp.collective import run_everywhere
+
+        run_everywhere(_keep_saved_vocab_padding, args)
+
+
+def _keep_saved_vocab_padding(args) -> None:
     _, directory = _load_target(args)
     if not _is_universal(directory):
         return
@@ -116,13 +138,16 @@ def load(args, state, reseed=None):
 
     `reseed(iteration)` reseeds RNG when a universal checkpoint comes from another layout.
     """
-    iteration, directory = _load_target(args)
+    from megatron_ucp.collective import run_everywhere
+
+    iteration, directory = run_everywhere(_load_target, args)  # a bad tracker fails every rank
     if args.load_universal or (args.ckpt_format == "universal" and _is_universal(directory)):
         from megatron_ucp.api import load_universal
 
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=iteration,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                load_scheduler=not args.no_load_scheduler,
                                 strict=not args.no_strict_load,
                                 verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples

@@ -99,13 +99,14 @@ def load(args, state, directory: str):
             if not os.path.exists(optim_path):
                 raise IncompleteCheckpointError(f"{optim_path}: missing (saved without the distributed optimizer?)")
             state.optimizer.load_parameter_state(optim_path)
-        state.scheduler.load_state_dict(sd["opt_param_scheduler"])
+        if not args.no_load_scheduler:
+            state.scheduler.load_state_dict(sd["opt_param_scheduler"])
     if not args.no_load_rng:
         states = sd["rng_state"]
         dp_rank = parallel_state.get_data_parallel_rank()
         if len(states) != parallel_state.get_data_parallel_world_size():
             raise FormatError(f"{path}: RNG states of {len(states)} data-parallel ranks, this job has "
                               f"{parallel_state.get_data_parallel_world_size()} (pass --no-load-rng)")
-        rng.restore(states[dp_rank])
+        rng.restore(rng.checked(states[dp_rank], f"{path} (rng_state[{dp_rank}])"))
     stored = sd.get("args") or {}
     return int(sd["iteration"]), int(stored.get("consumed_train_samples", 0))

@@ -226,6 +226,8 @@ def resume(args, state):
 
 
 def train(args, state) -> list:
+    if args.save:
+        checkpointing.claim_save_folder(args)
     dataset = build_dataset(args.data_path, args.mock_data, args.vocab_size, args.seq_length, args.seed)
     iteration, consumed = resume(args, state)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -247,4 +249,6 @@ def train(args, state) -> list:
     if args.save and (not args.save_interval or iteration % args.save_interval != 0) and history:
         checkpointing.save(args, state, iteration, consumed)
     checkpointing.finish_pending_save(state)
+    if args.save:
+        checkpointing.release_save_folder(args)
     return history

@@ -64,7 +64,8 @@ def load(args, state, directory: str):
         unwrap(chunk).load_state_dict(loaded[_model_key(state.model, i)])
     if not args.no_load_optim:
         state.optimizer.load_state_dict(loaded["optimizer"])
-        state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if not args.no_load_scheduler:
+            state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if not args.no_load_rng:
-        rng.restore(loaded["rng_state"])
+        rng.restore(rng.checked(loaded["rng_state"], f"{directory} (rng_state)"))
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
