@@ -128,8 +128,10 @@ SCHEDULER = (
 SCHEDULER_WD = ((("start_wd",), _NUMBER), (("end_wd",), _NUMBER), (("wd_incr_steps",), _COUNT),
                 (("wd_incr_style",), _TEXT))
 # The fp16 loss scaler's state (optimizer_state.grad_scaler_state), when the run had one.
+# megatron's DynamicGradScaler counts the hysteresis tracker down past 0 while overflows go on.
 GRAD_SCALER = {"scale": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
-               "growth_tracker": _COUNT, "hysteresis_tracker": _COUNT}
+               "growth_tracker": _COUNT,
+               "hysteresis_tracker": (_is_int, "an integer")}
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 

@@ -130,6 +130,14 @@ def test_good_records_are_accepted(synthetic, scheduler):
     assert mf.read_manifest(str(root))["scheduler"] == scheduler
 
 
+def test_a_loss_scaler_after_overflows_is_accepted(synthetic):
+    """megatron's DynamicGradScaler counts its hysteresis tracker below 0 while overflows go on."""
+    _, root = synthetic
+    scaler = {"scale": 262144.0, "growth_tracker": 1, "hysteresis_tracker": -3}
+    _edit(root, _set("optimizer", "grad_scaler", value=scaler))
+    assert mf.read_manifest(str(root))["optimizer"]["grad_scaler"] == scaler
+
+
 def test_a_folder_not_named_iter_is_not_held_to_a_number(synthetic, tmp_path):
     _, root = synthetic
     other = tmp_path / "elsewhere"
