@@ -15,16 +15,18 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def read_tracker(root: str) -> int:
+    from megatron_ucp.storage import MAX_TRACKER_BYTES, read_bounded
+
     path = os.path.join(root, TRACKER)
     try:
-        with open(path) as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?")
+        raw = read_bounded(path, "tracker file", MAX_TRACKER_BYTES, root)
+    except IncompleteCheckpointError:
+        raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?") from None
+    text = raw.decode("utf-8", "replace").strip()
     try:
         return int(text)
     except ValueError:
-        raise FormatError(f"{path}: expected an iteration number, found {text[:40]!r}")
+        raise FormatError(f"{path}: expected an iteration number, found {text[:40]!r}") from None
 
 
 def write_tracker(root: str, iteration: int) -> None:
