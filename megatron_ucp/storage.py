@@ -218,9 +218,9 @@ def _kind(mode: int) -> str:
 
 def check_inside(root, path, what: str) -> None:
     """Refuse `path` when it resolves (through symlinks) outside `root`."""
-    real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
-        raise FormatError(f"{what} {path} is a symlink leading outside {root} (to {os.path.realpath(path)})")
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise FormatError(f"{what} {path} resolves outside {root} (to {real}); expected a file inside it")
 
 
 def open_regular(path, what: str, root=None) -> int:
@@ -804,6 +804,8 @@ def safe_join(root, relpath) -> str:
     root = os.fspath(root)
     joined = os.path.join(root, *parts)
     real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(joined)]) != real_root:
-        raise FormatError(f"path {relpath!r} in manifest resolves outside {root} (through a symlink)")
+    real = os.path.realpath(joined)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise FormatError(f"{joined}: path {relpath!r} in manifest resolves outside {root} (through a "
+                          f"symlink, to {real})")
     return joined

@@ -59,9 +59,9 @@ def check_folder(directory: str) -> None:
     (megatron's loader reads these two itself)."""
     for entry in sorted(os.listdir(directory)):
         path = os.path.join(directory, entry)
-        if os.path.isdir(path) and not os.path.islink(path):
-            continue
-        os.close(storage.open_regular(path, "torch_dist checkpoint file", directory))
+        known = entry in (".metadata", "common.pt", "metadata.json") or entry.endswith(".distcp")
+        if known or os.path.islink(path) or not os.path.isdir(path):
+            os.close(storage.open_regular(path, "torch_dist checkpoint file", directory))
     config = os.path.join(directory, "metadata.json")
     if os.path.lexists(config):
         storage.read_bounded(config, "torch_dist config", MAX_CONFIG_BYTES, directory)
