@@ -29,12 +29,14 @@ from megatron_ucp import storage
 from megatron_ucp.errors import FormatError
 
 # What torch DCP's `.metadata` pickle names (torch 2.13; megatron-core 0.16 adds no class of its own).
+# Calling any of them builds plain data; none runs a command or opens a file.
 _DCP = "torch.distributed.checkpoint"
 DCP_METADATA_CLASSES = frozenset({
     ("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
     ("torch", "float64"), ("torch", "int64"), ("torch", "int32"), ("torch", "int16"), ("torch", "int8"),
     ("torch", "uint8"), ("torch", "bool"), ("torch", "strided"),
     ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of torch's own dcp.save(checkpoint_id=Path)
     (f"{_DCP}.filesystem", "_StorageInfo"),
     (f"{_DCP}.metadata", "Metadata"), (f"{_DCP}.metadata", "MetadataIndex"),
     (f"{_DCP}.metadata", "StorageMeta"), (f"{_DCP}.metadata", "TensorProperties"),
