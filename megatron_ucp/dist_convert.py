@@ -24,7 +24,6 @@ Optimizer state, by megatron-core's distributed-optimizer sharding:
 
 import contextlib
 import copy
-import io
 import math
 import os
 import re
