@@ -13,7 +13,6 @@ over those processes; the streaming converter names this flag where it refuses a
 """
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -31,16 +30,13 @@ _NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_
 
 def stored_args(iteration_dir: str) -> dict:
     """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in common.pt."""
-    import torch
+    from megatron_ucp.safe_pickle import load_file
 
     path = os.path.join(iteration_dir, "common.pt")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise IncompleteCheckpointError(f"{path}: missing; is {iteration_dir} a torch_dist checkpoint?")
-    try:
-        common = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise FormatError(f"{path}: cannot be read safely (weights_only): {e}") from None
-    args = common.get("args")
+    common = load_file(path, "torch_dist common state")
+    args = common.get("args") if isinstance(common, dict) else None
     return dict(args) if isinstance(args, dict) else {}
 
 
@@ -126,8 +122,9 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
         raise FormatError(f"conversion of {iteration_dir(root, it)} failed (exit code {proc.returncode})")
     seconds = time.perf_counter() - start
     out = iteration_dir(output_dir, it)
-    with open(os.path.join(out, "ucp.json")) as f:
-        tensors = json.load(f)["tensors"]
+    from megatron_ucp.manifest import read_manifest
+
+    tensors = read_manifest(out)["tensors"]
     nbytes = sum(e["file_size"] for e in tensors.values())
     return {"iteration": it, "output": out, "tensors": len(tensors), "bytes": nbytes,
             "seconds": seconds, "GB/s": nbytes / seconds / 1e9}

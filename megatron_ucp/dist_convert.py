@@ -24,7 +24,6 @@ Optimizer state, by megatron-core's distributed-optimizer sharding:
 
 import contextlib
 import copy
-import io
 import math
 import os
 import re
@@ -35,7 +34,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import stream_write
+from megatron_ucp import storage, stream_write
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, layer_offset, local_shape, pieces
 from megatron_ucp.optimizer_state import saved_steps
@@ -54,16 +53,13 @@ class DcpReader:
     process group). Each chunk is a `torch.save` blob at a recorded offset of a `.distcp` file."""
 
     def __init__(self, iter_dir: str):
-        from torch.distributed.checkpoint import FileSystemReader
+        from megatron_ucp.safe_pickle import read_dcp_metadata
 
         self.dir = iter_dir
         path = os.path.join(iter_dir, ".metadata")
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             raise IncompleteCheckpointError(f"{path}: missing; is {iter_dir} a torch_dist checkpoint?")
-        try:
-            self.meta = FileSystemReader(iter_dir).read_metadata()
-        except Exception as e:
-            raise FormatError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+        self.meta = read_dcp_metadata(iter_dir)  # restricted unpickling: no code runs from it
         self._fds: Dict[str, int] = {}
         self._bounds: Dict[str, set] = {}
 
@@ -104,13 +100,14 @@ class DcpReader:
         if info.transform_descriptors:
             raise FormatError(f"{self.dir}: {fqn!r} is stored with transforms {info.transform_descriptors}; "
                               "not supported")
-        path = os.path.join(self.dir, info.relative_path)
+        path = storage.safe_join(self.dir, info.relative_path)  # the metadata is data: no escapes
         fd = self._fds.get(path)
         if fd is None:
-            try:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise IncompleteCheckpointError(f"{path}: missing (it holds {fqn!r})") from None
+            fd = self._fds[path] = storage.open_regular(path, f"torch_dist data file (holding {fqn!r})")
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
+                and 0 <= info.length <= os.fstat(fd).st_size - info.offset):
+            raise IncompleteCheckpointError(f"{path}: {fqn!r} is recorded at bytes {info.offset}+{info.length}, "
+                                            f"beyond the file's {os.fstat(fd).st_size} (truncated?)")
         raw = os.pread(fd, info.length, info.offset)
         if len(raw) != info.length:
             raise IncompleteCheckpointError(f"{path}: truncated, {fqn!r} needs bytes {info.offset}.."
@@ -118,12 +115,9 @@ class DcpReader:
         return raw
 
     def _load(self, raw: bytes, where: str):
-        import torch
+        from megatron_ucp.safe_pickle import torch_load
 
-        try:
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise FormatError(f"{where}: cannot be read safely (weights_only): {e}") from None
+        return torch_load(raw, where)
 
     def read_object(self, fqn: str):
         return self._load(self._raw(fqn, None), f"{self.dir}: {fqn!r}")
@@ -366,13 +360,12 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     from megatron_ucp.model_map import local_tensors
 
     if common is None:
+        from megatron_ucp.safe_pickle import load_file
+
         path = os.path.join(iter_dir, "common.pt")
-        try:
-            common = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise IncompleteCheckpointError(f"{path}: missing; is {iter_dir} a torch_dist checkpoint?") from None
-        except Exception as e:
-            raise FormatError(f"{path}: cannot be read safely (weights_only): {e}") from None
+        if not os.path.lexists(path):
+            raise IncompleteCheckpointError(f"{path}: missing; is {iter_dir} a torch_dist checkpoint?")
+        common = load_file(path, "torch_dist common state")
     reader = DcpReader(iter_dir)
     stored, source, world = _source_args(iter_dir, common, extra_argv, nproc)
     sharding = _sharding(common, reader)

@@ -10,7 +10,7 @@ import os
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import storage
-from megatron_ucp.errors import IncompleteCheckpointError, UCPError
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
 
 TRACKER = "latest_checkpointed_iteration.txt"  # as megatron_ucp.train.checkpointing (imports torch)
 
@@ -18,14 +18,13 @@ TRACKER = "latest_checkpointed_iteration.txt"  # as megatron_ucp.train.checkpoin
 def resolve(path: str) -> str:
     """The checkpoint folder `path` designates: an iter_ folder itself, or a save root's latest."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, mf.MANIFEST)):
+    if os.path.lexists(os.path.join(path, mf.MANIFEST)):  # what it is, read_manifest judges
         return path
     tracker = os.path.join(path, TRACKER)
-    if not os.path.isfile(tracker):
+    if not os.path.lexists(tracker):
         raise IncompleteCheckpointError(
             f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
-    with open(tracker, "rb") as f:
-        raw = f.read(4096)
+    raw = storage.read_bounded(tracker, "tracker file", storage.MAX_TRACKER_BYTES, path)
     return os.path.join(path, f"iter_{mf.tracker_iteration(raw, tracker):07d}")
 
 
@@ -104,31 +103,42 @@ def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
     return problems
 
 
-def check_file(root: str, name: str, entry: dict) -> list:
-    """Problems with a tensor file's presence, size and header, and with the checksums the
-    manifest records for it; its blocks are not read."""
+def check_header(root: str, name: str, entry: dict) -> None:
+    """Refuse a tensor file whose presence, kind, size or header differs from the manifest's
+    layout: what every load checks, verified or not (its offsets come from that layout, so a
+    valid file with another header would be misread). Raises the UCPError naming the file."""
     rel = entry["file"]
     try:
         path = storage.safe_join(root, rel)
         want = mf.file_layout(entry)
     except UCPError as e:
-        return [f"{rel}: {e}"]
-    if not os.path.isfile(path):
-        return [f"{path}: tensor file of {name!r} is missing"]
-    size, block, sums = entry.get("file_size"), entry.get("block_bytes"), entry.get("checksums")
+        raise type(e)(f"{rel}: {e}") from None
+    if not os.path.lexists(path):
+        raise IncompleteCheckpointError(f"{path}: tensor file of {name!r} is missing")
+    size = entry.get("file_size")
     if size != want.file_size:
-        return [f"{path}: manifest file_size {size!r} but the layout of {name!r} needs {want.file_size} bytes"]
-    actual = os.path.getsize(path)
+        raise FormatError(f"{path}: manifest file_size {size!r} but the layout of {name!r} needs {want.file_size} bytes")
+    fd = storage.open_regular(path, f"tensor file of {name!r}")
+    actual = os.fstat(fd).st_size
+    os.close(fd)
     if actual != size:
         kind = "truncated" if actual < size else "too long"
-        return [f"{path}: file has {actual} bytes, manifest says {size} ({kind})"]
+        raise IntegrityError(f"{path}: file has {actual} bytes, manifest says {size} ({kind})")
+    got = storage.read_header(path)
+    if got.entries != want.entries or got.header != want.header:
+        raise FormatError(f"{path}: header {list(got.entries)} does not match the manifest's layout {list(want.entries)}")
+
+
+def check_file(root: str, name: str, entry: dict) -> list:
+    """Problems with a tensor file's presence, size and header, and with the checksums the
+    manifest records for it; its blocks are not read."""
     try:
-        got = storage.read_header(path)
+        check_header(root, name, entry)
     except UCPError as e:
         return [str(e)]
-    if got.entries != want.entries or got.header != want.header:
-        return [f"{path}: header {list(got.entries)} does not match the manifest's layout {list(want.entries)}"]
-    base = len(want.header)
+    path = storage.safe_join(root, entry["file"])
+    size, block, sums = entry["file_size"], entry.get("block_bytes"), entry.get("checksums")
+    base = len(mf.file_layout(entry).header)
     if not (isinstance(block, int) and block > 0 and isinstance(sums, list)
             and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
         return [f"{path}: manifest records bad checksums for {name!r} "

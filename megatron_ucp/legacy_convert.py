@@ -174,20 +174,13 @@ _LOADED: dict = {}  # path -> the file's objects, tensors mmap'ed (per process)
 def _torch_load(path: str):
     """torch.load(mmap=True, weights_only=True), once per file and process: tensor data stays
     on disk until read, and `_release` gives the pages back after use."""
-    import torch
+    from megatron_ucp.safe_pickle import load_file
 
     if path in _LOADED:
         return _LOADED[path]
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise IncompleteCheckpointError(f"{path}: missing")
-    try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- pickle of Megatron-LM's own runs: allow its plain containers only
-        try:
-            with torch.serialization.safe_globals([argparse.Namespace]):
-                obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception:  # noqa: BLE001 -- any unpickling failure: not safely readable
-            raise FormatError(f"{path}: cannot be read safely (weights_only=True): {e}") from None
+    obj = load_file(path, "legacy checkpoint file", mmap=True)  # weights_only: no code runs from it
     _LOADED[path] = obj
     return obj
 

@@ -11,7 +11,7 @@ from typing import Dict, Optional
 
 from megatron_ucp.errors import FormatError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, padding_shape
-from megatron_ucp.storage import TensorFileLayout, read_json
+from megatron_ucp.storage import MAX_MANIFEST_BYTES, TensorFileLayout, read_json
 
 FORMAT_NAME = "megatron-ucp"
 FORMAT_VERSION = 1
@@ -234,7 +234,7 @@ def _need(cond, path, message):
 
 def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
-    m = read_json(path, "universal checkpoint manifest")
+    m = read_json(path, "universal checkpoint manifest", MAX_MANIFEST_BYTES, root=directory)
     _need(m.get("format") == FORMAT_NAME, path, f"'format' is {m.get('format')!r}, expected {FORMAT_NAME!r}")
     version = m.get("version")
     _need(isinstance(version, int), path, f"'version' is {version!r}, expected an integer")

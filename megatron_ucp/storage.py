@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -200,11 +201,79 @@ def in_parallel(fn, jobs, threads: int = IO_THREADS) -> list:
         return list(pool.map(fn, jobs))
 
 
-def _open_for_read(path, what="tensor file") -> int:
+# Size bounds of the small files a checkpoint holds: what their format can need, with room to
+# spare; a larger one is damaged or hostile (a symlink to /dev/zero would read until memory ran out).
+MAX_MANIFEST_BYTES = 256 * 2**20  # 1 TB of tensors in 4 MiB blocks records about 3 MB of checksums
+MAX_RNG_BYTES = 16 * 2**20  # one rank's RNG states as JSON: 150 KB on CPU
+MAX_TRACKER_BYTES = 1024  # an iteration number
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def check_inside(root, path, what: str) -> None:
+    """Refuse `path` when it resolves (through symlinks) outside `root`."""
+    real_root, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise FormatError(f"{what} {path} resolves outside {root} (to {real}); expected a file inside it")
+
+
+def open_regular(path, what: str, root=None) -> int:
+    """A read-only descriptor of `path`, if it is a regular file (inside `root`, when given).
+
+    Checkpoints are input from strangers: a FIFO would block a read forever, a device (a symlink
+    to /dev/zero) would never end, a directory fails later with a traceback. O_NONBLOCK keeps the
+    open itself from blocking on a FIFO; fstat then judges what was opened, not a name that could
+    change after a check.
+    """
+    path = os.fspath(path)
+    if root is not None:
+        check_inside(root, path, what)
     try:
-        return os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{what} {path} is missing") from None
+    except OSError as e:  # a socket (ENXIO), a symlink loop, no permission
+        raise FormatError(f"{what} {path} cannot be opened: {e.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise FormatError(f"{what} {path} is a {_kind(mode)}, expected a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bounded(path, what: str, max_bytes: int, root=None) -> bytes:
+    """The whole of a small regular file, refused (FormatError) beyond `max_bytes`."""
+    fd = open_regular(path, what, root)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise FormatError(f"{what} {path} has {size} bytes; expected at most {max_bytes}")
+        chunks, total = [], 0
+        while total <= max_bytes:  # the file may grow while read: read one byte past the bound
+            chunk = os.read(fd, max_bytes + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise FormatError(f"{what} {path} grew past {max_bytes} bytes while read")
+    return b"".join(chunks)
+
+
+def _open_for_read(path, what="tensor file") -> int:
+    return open_regular(path, what)
 
 
 def _vector_io(write: bool, fd: int, views: list, offset: int) -> tuple[int, int]:
@@ -675,19 +744,45 @@ def atomic_write_json(path, obj) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"))
 
 
-def read_json(path, what: str) -> dict:
-    """Load a JSON object; missing -> IncompleteCheckpointError, anything malformed -> FormatError."""
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    """object_pairs_hook: a repeated key is an error, not "the last one wins" (a hostile file
+    could show one value to a reviewer's tool and another to the loader)."""
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise _DuplicateKey(k)
+        obj[k] = v
+    return obj
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes, path, what: str):
+    """JSON text as a checkpoint holds it: UTF-8, no repeated keys, no NaN or Infinity."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{what} {path} is missing") from None
-    except IsADirectoryError:
-        raise FormatError(f"{what} {path} is a directory, not a JSON file") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{what} {path} is not UTF-8 text (byte {e.start}); damaged or not a JSON file") from None
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except _DuplicateKey as e:
+        raise FormatError(f"{what} {path}: key {e.args[0]!r} appears twice in one object; "
+                          "expected each key once") from None
+    except (ValueError, RecursionError) as e:
         raise FormatError(f"{what} {path} is not valid JSON (truncated or corrupt?): {e}") from None
+
+
+def read_json(path, what: str, max_bytes: int = MAX_RNG_BYTES, root=None) -> dict:
+    """Load a JSON object from a regular file of at most `max_bytes` (inside `root`, by default
+    the file's folder); missing -> IncompleteCheckpointError, anything else wrong -> FormatError."""
+    root = os.path.dirname(os.path.abspath(path)) if root is None else root
+    obj = parse_json(read_bounded(path, what, max_bytes, root), path, what)
     if not isinstance(obj, dict):
         raise FormatError(f"{what} {path} holds a JSON {type(obj).__name__}, expected an object")
     return obj
@@ -709,6 +804,8 @@ def safe_join(root, relpath) -> str:
     root = os.fspath(root)
     joined = os.path.join(root, *parts)
     real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(joined)]) != real_root:
-        raise FormatError(f"path {relpath!r} in manifest resolves outside {root} (through a symlink)")
+    real = os.path.realpath(joined)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise FormatError(f"{joined}: path {relpath!r} in manifest resolves outside {root} (through a "
+                          f"symlink, to {real})")
     return joined

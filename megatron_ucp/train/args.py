@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not the latest")
     g.add_argument("--load-universal", action="store_true", help="resume from a universal checkpoint, any layout")
     g.add_argument("--ckpt-format", choices=["universal", "torch_dist", "torch"], default="universal",
-                   help="torch_dist: megatron-core's distributed format; torch: Megatron-LM's legacy "
-                        "per-rank files (mp_rank_XX[_YYY]/model_optim_rng.pt, distrib_optim.pt)")
+                   help="what --save writes and --load expects (a folder of another format is an "
+                        "error, never a fallback); torch_dist: megatron-core's distributed format; "
+                        "torch: Megatron-LM's legacy per-rank files (mp_rank_XX[_YYY]/model_optim_rng.pt, "
+                        "distrib_optim.pt)")
     g.add_argument(
         "--dist-ckpt-optim-format",
         choices=["dp_reshardable", "fully_reshardable"],

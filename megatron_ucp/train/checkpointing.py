@@ -16,12 +16,13 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def read_tracker(root: str) -> int:
+    from megatron_ucp.storage import MAX_TRACKER_BYTES, read_bounded
+
     path = os.path.join(root, TRACKER)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(4096)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?")
+        raw = read_bounded(path, "tracker file", MAX_TRACKER_BYTES, root)
+    except IncompleteCheckpointError:
+        raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?") from None
     return tracker_iteration(raw, path)
 
 
@@ -141,7 +142,9 @@ def load(args, state, reseed=None):
     from megatron_ucp.collective import run_everywhere
 
     iteration, directory = run_everywhere(_load_target, args)  # a bad tracker fails every rank
-    if args.load_universal or (args.ckpt_format == "universal" and _is_universal(directory)):
+    # The same folder on every rank: agreed, so that the job prints it once.
+    run_everywhere(check_format, directory, "universal" if args.load_universal else args.ckpt_format)
+    if args.load_universal or args.ckpt_format == "universal":
         from megatron_ucp.api import load_universal
 
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
@@ -152,15 +155,48 @@ def load(args, state, reseed=None):
                                 verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
     else:
-        from megatron_ucp.legacy_convert import is_legacy
         from megatron_ucp.train import legacy, native
 
-        module = legacy if is_legacy(directory) else native
+        module = legacy if args.ckpt_format == "torch" else native
         iteration, consumed = module.load(args, state, directory)
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {directory} at iteration {iteration}", flush=True)
     return iteration, consumed
 
 
+# How each format loads, for the message that names the flag.
+LOAD_FLAGS = {"universal": "--ckpt-format universal (the default) or --load-universal",
+              "torch_dist": "--ckpt-format torch_dist", "torch": "--ckpt-format torch"}
+
+
+def found_format(directory: str):
+    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
+    from megatron_ucp.legacy_convert import is_legacy
+
+    if _is_universal(directory):
+        return "universal", "ucp.json"
+    if is_legacy(directory):
+        return "torch", "mp_rank_* folders"
+    names = os.listdir(directory)
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        return "torch_dist", ".metadata / *.distcp files"
+    return None, None
+
+
+def check_format(directory: str, wanted: str) -> None:
+    """The folder holds a checkpoint of the format asked for: no silent fallback to another
+    format's loader (megatron's unpickles; a universal resume must not quietly become one)."""
+    if not os.path.isdir(directory):
+        raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
+    found, evidence = found_format(directory)
+    if found is None:
+        raise IncompleteCheckpointError(f"{directory}: holds no checkpoint (no ucp.json, .metadata, "
+                                        "*.distcp or mp_rank_* folders)")
+    if found != wanted:
+        convert = " or convert it with tools/convert_to_universal.py" if found != "universal" else ""
+        raise FormatError(f"{directory}: holds a {found} checkpoint ({evidence}), not the {wanted} one "
+                          f"asked for; load it with {LOAD_FLAGS[found]}{convert}")
+
+
 def _is_universal(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, "ucp.json"))
+    return os.path.lexists(os.path.join(directory, "ucp.json"))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ucp import rng
+from megatron_ucp import rng, safe_pickle
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.legacy_convert import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
 from megatron_ucp.optimizer_state import uses_distributed_optimizer
@@ -81,11 +81,11 @@ def load(args, state, directory: str):
     """Restore this rank's part (same layout only); returns (iteration, consumed_samples)."""
     rank_dir = _my_dir(directory)
     path = os.path.join(rank_dir, MODEL_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise IncompleteCheckpointError(
             f"{path}: missing; a legacy torch checkpoint resumes only on the layout that wrote it "
             "(convert it with tools/convert_to_universal.py to change layout)")
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    sd = safe_pickle.load_file(path, "legacy checkpoint file", root=directory)
     for i, chunk in enumerate(state.model):
         key = _model_key(len(state.model), i)
         if key not in sd:
@@ -96,8 +96,10 @@ def load(args, state, directory: str):
         state.optimizer.load_state_dict(sd["optimizer"])
         if uses_distributed_optimizer(state.optimizer):
             optim_path = os.path.join(rank_dir, OPTIM_FILE)
-            if not os.path.exists(optim_path):
+            if not os.path.lexists(optim_path):
                 raise IncompleteCheckpointError(f"{optim_path}: missing (saved without the distributed optimizer?)")
+            # megatron's loader torch.loads it: vetted first (a regular file; allowed classes only)
+            safe_pickle.check_torch_file(optim_path, "legacy optimizer file", root=directory)
             state.optimizer.load_parameter_state(optim_path)
         if not args.no_load_scheduler:
             state.scheduler.load_state_dict(sd["opt_param_scheduler"])

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_ucp import rng
+from megatron_ucp import rng, safe_pickle, storage
 from megatron_ucp.errors import IncompleteCheckpointError
 from megatron_ucp.train.model import unwrap
 
@@ -50,6 +50,26 @@ def save(args, state, iteration, consumed, directory: str) -> None:
     dist_checkpointing.save(sd, directory)
 
 
+MAX_CONFIG_BYTES = 2**20  # metadata.json: a few keys
+
+
+def check_folder(directory: str) -> None:
+    """Before megatron reads a torch_dist folder: every file in it a regular file inside it (no
+    FIFO, device or symlink out), `metadata.json` small, `common.pt` naming only allowed classes
+    (megatron's loader reads these two itself)."""
+    for entry in sorted(os.listdir(directory)):
+        path = os.path.join(directory, entry)
+        known = entry in (".metadata", "common.pt", "metadata.json") or entry.endswith(".distcp")
+        if known or os.path.islink(path) or not os.path.isdir(path):
+            os.close(storage.open_regular(path, "torch_dist checkpoint file", directory))
+    config = os.path.join(directory, "metadata.json")
+    if os.path.lexists(config):
+        storage.read_bounded(config, "torch_dist config", MAX_CONFIG_BYTES, directory)
+    common = os.path.join(directory, "common.pt")
+    if os.path.lexists(common):
+        safe_pickle.check_torch_file(common, "torch_dist common state", directory)
+
+
 def load(args, state, directory: str):
     """Restore model, optimizer, scheduler and RNG; return (iteration, consumed_samples)."""
     if not os.path.isdir(directory):
@@ -59,7 +79,9 @@ def load(args, state, directory: str):
         sd.pop("rng_state")
     if args.no_load_optim:
         sd.pop("optimizer")
-    loaded = dist_checkpointing.load(sd, directory)
+    check_folder(directory)
+    with safe_pickle.megatron_reader():  # DCP metadata and objects unpickled restrictedly
+        loaded = dist_checkpointing.load(sd, directory)
     for i, chunk in enumerate(state.model):
         unwrap(chunk).load_state_dict(loaded[_model_key(state.model, i)])
     if not args.no_load_optim:
