@@ -37,7 +37,7 @@ from megatron_ucp import manifest as mf
 from megatron_ucp import storage, stream_write
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, layer_offset, local_shape, pieces
-from megatron_ucp.optimizer_state import saved_steps
+from megatron_ucp.optimizer_state import plain_groups, saved_steps
 
 DIST_PREFIX = "optimizer.distributed.dp_group_idx_"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -591,12 +591,6 @@ def _bucket_numels(saved, gbuf: int, reader, where: str) -> list:
                           "one {dtype: [numel, ...]} per buffer") from None
 
 
-def _plain_groups(groups) -> list:
-    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-             if k not in ("params", "step") and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
-            for g in groups]
-
-
 def _step_and_groups(common: dict, reader: DcpReader, sharding: str):
     """Adam's step and the parameter groups' settings (of every chained optimizer, in order),
     wherever this sharding keeps them."""
@@ -616,7 +610,7 @@ def _step_and_groups(common: dict, reader: DcpReader, sharding: str):
             steps.add(int(float(part["state"]["common_step"])))
     if len(steps) != 1:
         raise FormatError(f"{reader.dir}: optimizer steps {sorted(steps)}, one expected")
-    return int(steps.pop()), _plain_groups(groups)
+    return int(steps.pop()), plain_groups(groups)
 
 
 def _rng_states(reader: DcpReader, world: int) -> dict:

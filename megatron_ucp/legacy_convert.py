@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import stream_write
-from megatron_ucp.optimizer_state import saved_steps
+from megatron_ucp.optimizer_state import plain_groups, saved_steps
 from megatron_ucp.errors import (
     ConfigError,
     FormatError,
@@ -450,10 +450,7 @@ def _step_and_groups(sd, path, dist_opt):
     if len(steps) > 1:
         raise FormatError(f"{path}: optimizer holds steps {sorted(steps)}, one expected")
     step = steps.pop() if steps else 0
-    plain = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-              if k not in ("params", "step") and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
-             for g in groups]
-    return int(float(step or 0)), plain
+    return int(float(step or 0)), plain_groups(groups)
 
 
 def _rng_states(rank_dirs, tp, dp, first) -> dict:

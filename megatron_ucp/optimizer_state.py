@@ -118,6 +118,14 @@ def saved_steps(param_groups, param_states=()) -> set:
     return steps
 
 
+def plain_groups(param_groups) -> list:
+    """The param groups' hyper-parameters as JSON values (the manifest's `param_groups`): every
+    entry but `params` and `step` (the record's own, whichever convention kept it)."""
+    scalar = (int, float, str, bool, tuple, list, type(None))
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+             if k not in ("params", "step") and isinstance(v, scalar)} for g in param_groups]
+
+
 def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.view(-1)
 

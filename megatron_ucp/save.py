@@ -29,8 +29,8 @@ from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
-from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, read_step,
-                                          uses_distributed_optimizer)
+from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, plain_groups,
+                                          read_step, uses_distributed_optimizer)
 from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
                                row_merges)
 
@@ -97,20 +97,11 @@ def _tensor_entries(tensors, states) -> dict:
     return entries
 
 
-def _param_groups(optimizer) -> list:
-    out = []
-    for opt in inner_optimizers(optimizer):
-        for g in opt.optimizer.param_groups:
-            # The step is the record's own, whichever convention the optimizer keeps it in.
-            out.append({k: v for k, v in g.items() if k not in ("params", "step")
-                        and isinstance(v, (int, float, str, bool, tuple, list, type(None)))})
-    return out
-
-
 def _optimizer_record(optimizer) -> dict:
     """The optimizer's global state: Adam's step, its groups' hyper-parameters, and the fp16
     loss scaler's state where there is one."""
-    record = {"type": "adam", "step": read_step(optimizer), "param_groups": _param_groups(optimizer)}
+    groups = [g for opt in inner_optimizers(optimizer) for g in opt.optimizer.param_groups]
+    record = {"type": "adam", "step": read_step(optimizer), "param_groups": plain_groups(groups)}
     scaler = grad_scaler_state(optimizer)
     if scaler is not None:
         record["grad_scaler"] = scaler
