@@ -1,0 +1,69 @@
+"""What Megatron-LM's loop keeps besides the iteration, and when it stops early.
+
+- `num_floating_point_operations(args, batch_size)`: the model FLOPs of one iteration, Megatron-LM's
+  formula for GPT (training.py, after "APPENDIX: FLOATING-POINT OPERATIONS" of arXiv:2104.04473);
+  summed into `num_floating_point_operations_so_far` and kept in the checkpoint.
+- `Stopper`: `--exit-signal-handler` (SIGTERM: Slurm's `--signal=TERM@N`, preemption, torchrun
+  forwarding its own) and `--exit-duration-in-mins`. Every rank must stop after the same
+  iteration, so after each one the ranks all-reduce (MAX) a flag, as Megatron-LM's
+  DistributedSignalHandler does; rank 0's clock decides the duration.
+"""
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def num_floating_point_operations(args, batch_size: int) -> float:
+    """Forward and backward FLOPs of `batch_size` sequences (GEMMs x 3 passes x 2 per MAC)."""
+    kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
+    query_ratio = kv_channels * args.num_attention_heads / args.hidden_size
+    routed = 1 if args.num_experts is None else args.moe_router_topk
+    ffn = args.ffn_hidden_size if args.num_experts is None else (args.moe_ffn_hidden_size or args.ffn_hidden_size)
+    gated = 3 / 2 if args.swiglu else 1
+    shared = args.moe_shared_expert_intermediate_size or 0
+    per_layer = (
+        (1 + args.num_query_groups / args.num_attention_heads + args.seq_length / args.hidden_size) * query_ratio
+        + ffn / args.hidden_size * routed * gated
+        + shared / args.hidden_size * gated
+        + args.padded_vocab_size / (2 * args.num_layers * args.hidden_size)
+    )
+    return 12.0 * batch_size * args.seq_length * args.num_layers * args.hidden_size ** 2 * per_layer
+
+
+class Stopper:
+    """Says, on every rank alike, whether to stop after this iteration (and why)."""
+
+    def __init__(self, args):
+        self.signal_handler = args.exit_signal_handler
+        self.duration_s = None if args.exit_duration_in_mins is None else args.exit_duration_in_mins * 60
+        self.start = time.monotonic()
+        self.received = False
+        self.device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+        self._previous = None
+        if self.signal_handler:
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True  # acted on after the iteration, by every rank together
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def should_stop(self):
+        """None to go on; else the reason, the same on every rank (a collective when enabled)."""
+        if not self.signal_handler and self.duration_s is None:
+            return None
+        timed_out = (self.duration_s is not None and dist.get_rank() == 0
+                     and time.monotonic() - self.start > self.duration_s)
+        flags = torch.tensor([int(self.received), int(timed_out)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item():
+            return "SIGTERM received (--exit-signal-handler)"
+        if flags[1].item():
+            return f"--exit-duration-in-mins {self.duration_s / 60:g} reached"
+        return None
