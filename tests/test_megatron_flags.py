@@ -117,32 +117,41 @@ def _children(pid: int) -> list:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
-def _interrupted_run(workdir: Path, extra: list, signal_workers: bool):
-    """Train 2 processes (DP2) for long, SIGTERM after 4 logged iterations; returns
-    (torchrun's exit code, its output, iterations logged)."""
+def _start(workdir: Path, extra: list) -> subprocess.Popen:
+    """Train 2 processes (DP2) for long, with --exit-signal-handler."""
     workdir.mkdir(parents=True)
-    log = workdir / "losses.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(REPO / "pretrain_gpt_ucp.py"), *BASE, "--train-iters", "3000",
-           "--save", str(workdir / "ckpt"), "--exit-signal-handler", "--loss-log", str(log), *extra]
+           "--save", str(workdir / "ckpt"), "--exit-signal-handler",
+           "--loss-log", str(workdir / "losses.jsonl"), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
-    proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
+
+
+def _interrupt(proc: subprocess.Popen, workdir: Path, signal_workers: bool):
+    """SIGTERM after 4 logged iterations (to one worker only: the ranks must agree to stop, or
+    to torchrun, which forwards it to all);
+    returns (torchrun's exit code, its output, iterations logged)."""
+    log = workdir / "losses.jsonl"
+    deadline = time.monotonic() + 90
     while len(_log(log)) < 4 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    targets = _children(proc.pid) if signal_workers else [proc.pid]
+    targets = _children(proc.pid)[-1:] if signal_workers else [proc.pid]
     assert proc.poll() is None and targets, f"the run did not get going: {proc.poll()}"
     for pid in targets:
         os.kill(pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=90)
     return proc.returncode, out, [r["iteration"] for r in _log(log)]
 
 
 def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path):
-    # Slurm's --signal (and preemption) reaches every process of the step: SIGTERM to the workers
-    rc, out, done = _interrupted_run(tmp_path / "sync", ["--save-interval", "1000"], True)
+    # The two interrupted runs go side by side (time); each is signalled on its own.
+    sync_run = _start(tmp_path / "sync", ["--save-interval", "1000"])
+    async_run = _start(tmp_path / "async", ["--async-save", "--save-interval", "2"])
+    # SIGTERM to one worker: every rank must stop after the same iteration (the all-reduced flag)
+    rc, out, done = _interrupt(sync_run, tmp_path / "sync", True)
     assert rc == 0, f"torchrun exited {rc} (some rank did not exit 0):\n{out[-3000:]}"
     stopped = done[-1]
     assert done == list(range(1, stopped + 1)) and stopped < 3000
@@ -151,8 +160,7 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
     assert (sync_ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
 
     # torchrun's own SIGTERM, forwarded to the workers, while --async-save writes in background
-    rc_async, out_async, done_async = _interrupted_run(
-        tmp_path / "async", ["--async-save", "--save-interval", "2"], False)
+    rc_async, out_async, done_async = _interrupt(async_run, tmp_path / "async", False)
     stopped_async = done_async[-1]
     async_ckpt = tmp_path / "async" / "ckpt"
     assert f"exiting after iteration {stopped_async}, saving it first" in out_async, out_async[-3000:]
