@@ -130,6 +130,16 @@ def _start(workdir: Path, extra: list) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """A run the test gave up on goes, with its workers (torchrun starts them in sessions of
+    their own)."""
+    if proc.poll() is None:
+        for pid in _children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
+
+
 def _interrupt(proc: subprocess.Popen, workdir: Path, signal_workers: bool):
     """SIGTERM after 4 logged iterations (to one worker only: the ranks must agree to stop, or
     to torchrun, which forwards it to all);
@@ -150,8 +160,14 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
     # The two interrupted runs go side by side (time); each is signalled on its own.
     sync_run = _start(tmp_path / "sync", ["--save-interval", "1000"])
     async_run = _start(tmp_path / "async", ["--async-save", "--save-interval", "2"])
-    # SIGTERM to one worker: every rank must stop after the same iteration (the all-reduced flag)
-    rc, out, done = _interrupt(sync_run, tmp_path / "sync", True)
+    try:
+        # SIGTERM to one worker: every rank must stop after the same iteration (the all-reduced flag)
+        rc, out, done = _interrupt(sync_run, tmp_path / "sync", True)
+        # torchrun's own SIGTERM, forwarded to the workers, while --async-save writes in background
+        rc_async, out_async, done_async = _interrupt(async_run, tmp_path / "async", False)
+    finally:
+        _stop(sync_run)
+        _stop(async_run)
     assert rc == 0, f"torchrun exited {rc} (some rank did not exit 0):\n{out[-3000:]}"
     stopped = done[-1]
     assert done == list(range(1, stopped + 1)) and stopped < 3000
@@ -159,8 +175,6 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
     sync_ckpt = tmp_path / "sync" / "ckpt"
     assert (sync_ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
 
-    # torchrun's own SIGTERM, forwarded to the workers, while --async-save writes in background
-    rc_async, out_async, done_async = _interrupt(async_run, tmp_path / "async", False)
     stopped_async = done_async[-1]
     async_ckpt = tmp_path / "async" / "ckpt"
     assert f"exiting after iteration {stopped_async}, saving it first" in out_async, out_async[-3000:]
