@@ -26,6 +26,7 @@ import pytest
 from harness import BASE, REPO, free_port, losses, ok, run_steps
 
 from megatron_ucp import ownership
+from megatron_ucp.errors import ConfigError
 from megatron_ucp.train import progress
 from megatron_ucp.train.args import parse_args
 from megatron_ucp.train.checkpointing import CHECKPOINT_ARGS, use_checkpoint_args
@@ -49,7 +50,7 @@ def _log(path: Path) -> list:
 def test_checkpoint_flags(tmp_path):
     """One torchrun group of 2 processes, steps in order (each can fail on its own)."""
     fresh, weights, broken = tmp_path / "fresh", tmp_path / "weights", tmp_path / "broken"
-    log = tmp_path / "resumed.jsonl"
+    log, timed = tmp_path / "resumed.jsonl", tmp_path / "timed"
     steps = [
         # an empty --load folder that is also --save: trains from scratch and saves there
         _train("scratch", ["--load", str(fresh), "--save", str(fresh), "--save-interval", "1000"], 3),
@@ -62,6 +63,9 @@ def test_checkpoint_flags(tmp_path):
         _train("missing", ["--load", str(tmp_path / "new"), "--exit-on-missing-checkpoint"], 3,
                fatal=False),
         _train("broken", ["--load", str(broken)], 3, fatal=False),
+        # the first iteration takes longer than 6 ms: stop after it, saved
+        _train("duration", ["--exit-duration-in-mins", "0.0001", "--save", str(timed),
+                            "--save-interval", "1000"], 50, fatal=False),
     ]
     broken.mkdir()
     (broken / "latest_checkpointed_iteration.txt").write_text("3\n")  # names no folder
@@ -89,6 +93,14 @@ def test_checkpoint_flags(tmp_path):
     missing = results["missing"].get("error", "")
     assert "IncompleteCheckpointError" in missing and "--exit-on-missing-checkpoint" in missing, missing
     assert "error" in results["broken"] and "iter_0000003" in results["broken"]["error"]
+    assert sorted(losses(results, "duration")) == [1]
+    assert (timed / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+@pytest.mark.parametrize("flag", ["--no-save-optim", "--no-save-rng"])
+def test_weights_only_flags_need_the_universal_format(flag):
+    with pytest.raises(ConfigError, match=flag):
+        parse_args(BASE + [flag, "--ckpt-format", "torch_dist"], world_size=1)
 
 
 def test_use_checkpoint_args_overrides_the_command_line(capsys):
