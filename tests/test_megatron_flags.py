@@ -27,6 +27,7 @@ from harness import BASE, REPO, free_port, losses, ok, run_steps
 
 from megatron_ucp import ownership
 from megatron_ucp.errors import ConfigError
+from megatron_ucp.inspection import verify
 from megatron_ucp.train import progress
 from megatron_ucp.train.args import parse_args
 from megatron_ucp.train.checkpointing import CHECKPOINT_ARGS, use_checkpoint_args
@@ -77,6 +78,7 @@ def test_checkpoint_flags(tmp_path):
     assert m["optimizer"] is None and m["scheduler"] is None, "--no-save-optim saved optimizer state"
     assert all(e["states"] == ["param"] for e in m["tensors"].values())
     assert m["rng_saved"] is False and not os.listdir(weights / "iter_0000003" / "rng")
+    assert verify(str(weights)) == []  # inspect_checkpoint --verify: no RNG files expected
     assert sorted(losses(results, "weights_loaded")) == [4, 5]
     assert sorted(losses(results, "checkpoint_args")) == [4, 5]
 
