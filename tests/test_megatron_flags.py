@@ -51,7 +51,7 @@ def _log(path: Path) -> list:
 def test_checkpoint_flags(tmp_path):
     """One torchrun group of 2 processes, steps in order (each can fail on its own)."""
     fresh, weights, broken = tmp_path / "fresh", tmp_path / "weights", tmp_path / "broken"
-    log, timed = tmp_path / "resumed.jsonl", tmp_path / "timed"
+    log, timed, fp16 = tmp_path / "resumed.jsonl", tmp_path / "timed", tmp_path / "fp16"
     steps = [
         # an empty --load folder that is also --save: trains from scratch and saves there
         _train("scratch", ["--load", str(fresh), "--save", str(fresh), "--save-interval", "1000"], 3),
@@ -64,6 +64,9 @@ def test_checkpoint_flags(tmp_path):
         _train("missing", ["--load", str(tmp_path / "new"), "--exit-on-missing-checkpoint"], 3,
                fatal=False),
         _train("broken", ["--load", str(broken)], 3, fatal=False),
+        # fp16 with a loss scale of 2^40: the first updates overflow and are skipped
+        _train("overflow", ["--fp16", "--initial-loss-scale", str(2.0 ** 40), "--save", str(fp16)], 3,
+               fatal=False),
         # the first iteration takes longer than 6 ms: stop after it, saved
         _train("duration", ["--exit-duration-in-mins", "0.0001", "--save", str(timed),
                             "--save-interval", "1000"], 50, fatal=False),
@@ -95,6 +98,8 @@ def test_checkpoint_flags(tmp_path):
     missing = results["missing"].get("error", "")
     assert "IncompleteCheckpointError" in missing and "--exit-on-missing-checkpoint" in missing, missing
     assert "error" in results["broken"] and "iter_0000003" in results["broken"]["error"]
+    ok(results, "overflow")
+    assert _manifest(fp16, 3)["progress"]["skipped_iterations"] >= 1
     assert sorted(losses(results, "duration")) == [1]
     assert (timed / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 

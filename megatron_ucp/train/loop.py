@@ -147,6 +147,7 @@ def session(argv=None):
 
     Yields (args, state). Several sessions may run one after another in one process group.
     """
+    progress.started()
     args = build_parser().parse_args(argv)
     if args.cpu:
         from megatron_ucp import cpu_mode

@@ -33,13 +33,23 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     return 12.0 * batch_size * args.seq_length * args.num_layers * args.hidden_size ** 2 * per_layer
 
 
+_STARTED = None
+
+
+def started() -> None:
+    """The job's start (Megatron-LM's --exit-duration-in-mins counts from there, not from the
+    first iteration: the time limit includes building and loading)."""
+    global _STARTED
+    _STARTED = time.monotonic()
+
+
 class Stopper:
     """Says, on every rank alike, whether to stop after this iteration (and why)."""
 
     def __init__(self, args):
         self.signal_handler = args.exit_signal_handler
         self.duration_s = None if args.exit_duration_in_mins is None else args.exit_duration_in_mins * 60
-        self.start = time.monotonic()
+        self.start = _STARTED if _STARTED is not None else time.monotonic()
         self.received = False
         self.device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
         self._previous = None
