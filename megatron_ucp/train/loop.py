@@ -163,6 +163,7 @@ def session(argv=None):
     initialize(args)
     state = None
     with contextlib.ExitStack() as stack:
+        stack.enter_context(progress.signal_handler(args.exit_signal_handler))
         if args.fused_adam_standin:
             from megatron_ucp import fused_adam_standin
 
@@ -245,24 +246,21 @@ def train(args, state) -> list:
     history = []
     last = min(args.train_iters, args.exit_interval or args.train_iters)
     stopper, stop = progress.Stopper(args), None
-    try:
-        while iteration < last and stop is None:
-            start = time.perf_counter()
-            batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
-                                   dp_rank, dp_size)
-            loss, grad_norm, update_successful = train_step(state, batches, args)
-            iteration += 1
-            consumed += args.global_batch_size
-            _count(args, state.progress, update_successful)
-            lr = state.optimizer.param_groups[0]["lr"]
-            _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0,
-                 state.progress)
-            history.append((iteration, loss))
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                checkpointing.save(args, state, iteration, consumed)
-            stop = stopper.should_stop()
-    finally:
-        stopper.close()
+    while iteration < last and stop is None:
+        start = time.perf_counter()
+        batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
+                               dp_rank, dp_size)
+        loss, grad_norm, update_successful = train_step(state, batches, args)
+        iteration += 1
+        consumed += args.global_batch_size
+        _count(args, state.progress, update_successful)
+        lr = state.optimizer.param_groups[0]["lr"]
+        _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0,
+             state.progress)
+        history.append((iteration, loss))
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpointing.save(args, state, iteration, consumed)
+        stop = stopper.should_stop()
     if stop is not None and dist.get_rank() == 0:
         print(f" {stop}: exiting after iteration {iteration}"
               + (", saving it first" if args.save else ""), flush=True)

@@ -9,6 +9,7 @@
   DistributedSignalHandler does; rank 0's clock decides the duration.
 """
 
+import contextlib
 import signal
 import time
 
@@ -43,6 +44,30 @@ def started() -> None:
     _STARTED = time.monotonic()
 
 
+_RECEIVED = False
+
+
+def _on_signal(signum, frame) -> None:
+    global _RECEIVED
+    _RECEIVED = True  # acted on after an iteration, by every rank together
+
+
+@contextlib.contextmanager
+def signal_handler(enabled: bool):
+    """--exit-signal-handler: SIGTERM sets a flag from the job's start (one during the build or
+    the load stops the job after its first iteration); the previous handler comes back at exit."""
+    global _RECEIVED
+    _RECEIVED = False
+    if not enabled:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Stopper:
     """Says, on every rank alike, whether to stop after this iteration (and why)."""
 
@@ -50,19 +75,7 @@ class Stopper:
         self.signal_handler = args.exit_signal_handler
         self.duration_s = None if args.exit_duration_in_mins is None else args.exit_duration_in_mins * 60
         self.start = _STARTED if _STARTED is not None else time.monotonic()
-        self.received = False
         self.device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
-        self._previous = None
-        if self.signal_handler:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = True  # acted on after the iteration, by every rank together
-
-    def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
 
     def should_stop(self):
         """None to go on; else the reason, the same on every rank (a collective when enabled)."""
@@ -70,7 +83,7 @@ class Stopper:
             return None
         timed_out = (self.duration_s is not None and dist.get_rank() == 0
                      and time.monotonic() - self.start > self.duration_s)
-        flags = torch.tensor([int(self.received), int(timed_out)], dtype=torch.int32, device=self.device)
+        flags = torch.tensor([int(_RECEIVED), int(timed_out)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0].item():
             return "SIGTERM received (--exit-signal-handler)"
