@@ -222,6 +222,7 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
         assert sorted(got) == list(range(first + 1, first + 4)), (name, sorted(got))
         worst = max(abs(got[i] - reference[i]) for i in got)
         assert worst <= 1e-4, (name, worst)
+        print(f"{name}: stopped after iteration {first}, worst |dloss| {worst:.2e}")
     ok(results, "reference")
     error = results["rng_missing"].get("error", "")
     assert "rank_00001.json" in error and "--no-load-rng" in error, results["rng_missing"]
