@@ -192,4 +192,6 @@ def verify(path: str) -> list:
     for fname in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
         if f"tensors/{fname}" not in listed:
             problems.append(f"{os.path.join(tdir, fname)}: not listed in the manifest")
+    if m.get("rng_saved", True) is False:  # --no-save-rng: no RNG files to check
+        return problems
     return problems + _verify_rng(directory, m["layout"])

@@ -151,6 +151,20 @@ def check_scheduler(record, path: str) -> None:
         _need(ok(record[found]), path, f"'scheduler.{found}' is {record[found]!r}, expected {expected}")
 
 
+# The training loop's bookkeeping (Megatron-LM keeps it beside the iteration): all optional.
+PROGRESS = {
+    "num_floating_point_operations_so_far": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "skipped_iterations": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+}
+
+
+def check_progress(record, path: str) -> None:
+    _need(isinstance(record, dict), path, f"'progress' is {record!r}, expected an object")
+    for key, (ok, expected) in PROGRESS.items():
+        if key in record:
+            _need(ok(record[key]), path, f"progress: {key!r} is {record[key]!r}, expected {expected}")
+
+
 def check_optimizer(record, path: str) -> None:
     """The optimizer record save writes: Adam, its global step, its param groups' settings."""
     _need(isinstance(record, dict), path, f"'optimizer' is {type(record).__name__}, expected an object or null")
@@ -278,6 +292,10 @@ def _check_meaning(m: dict, path: str, directory: str) -> None:
     _check_block(m["layout"], LAYOUT, path, "layout")
     if "padded_vocab_size" in m["layout"]:
         _check_block(m["layout"], {"padded_vocab_size": _SIZE}, path, "layout")
+    _need(isinstance(m.get("rng_saved", True), bool), path,
+          f"'rng_saved' is {m.get('rng_saved')!r}, expected true or false")
+    if "progress" in m:
+        check_progress(m["progress"], path)
     if m.get("optimizer") is not None:
         check_optimizer(m["optimizer"], path)
     if m.get("scheduler") is not None:

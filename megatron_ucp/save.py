@@ -318,7 +318,8 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
         storage.start_writeback(path)  # the disk writes this file while this rank writes the next
 
     storage.in_parallel(write_file, list(by_file.values()))
-    rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
+    if rng_state is not None:  # None: --no-save-rng, the manifest says "rng_saved": false
+        rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
 
 
 def _checksum(tmp, entries, layouts, mine) -> dict:
@@ -371,7 +372,8 @@ class AsyncSave:
 
 def save_universal(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
                    vocab_size: int, consumed_samples: int = 0, args: dict = None,
-                   keep_last: int = None, async_save: bool = False):
+                   keep_last: int = None, async_save: bool = False, save_rng: bool = True,
+                   progress: dict = None):
     """Write a universal checkpoint of the model (and optimizer, scheduler) at `iteration`.
 
     Collective: every rank of the job calls it. Returns the committed folder. A failure on any
@@ -380,7 +382,9 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     `keep_last` prunes older complete checkpoints after the commit. With `async_save`, the
     caller waits only for the plan and an in-memory copy of the bytes this rank writes; files
     are written and committed in a background thread, and an `AsyncSave` is returned (call
-    `wait()` before the next save and before exit).
+    `wait()` before the next save and before exit). Without `save_rng` no RNG file is written
+    and the manifest says so ("rng_saved": false): the load reseeds. `progress` is the training
+    loop's bookkeeping (docs/FORMAT.md), stored as given.
     """
     rank = dist.get_rank()
     states = mf.STATES if optimizer is not None else ("param",)
@@ -396,9 +400,9 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
                                                 torch.device("cpu") if async_save else _p2p_device())
     snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
-                          consumed_samples, args) if rank == 0 else None
+                          consumed_samples, args, save_rng, progress) if rank == 0 else None
     job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, transfers, entries,
-                            part_shapes, rng.capture(), head, keep_last,
+                            part_shapes, rng.capture() if save_rng else None, head, keep_last,
                             _checkpoint_group() if async_save else None)
     if not async_save:
         return job()
@@ -444,7 +448,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
 
 
 def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
-                   consumed_samples, args) -> dict:
+                   consumed_samples, args, save_rng=True, progress=None) -> dict:
     """Everything in the manifest but the checksums, taken when the save is called."""
     from megatron_ucp.train.model import unwrap
 
@@ -452,7 +456,7 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
     for e in entries.values():
         if e["rule"]["kind"] == "vocab":
             layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
-    return {
+    head = {
         "format": mf.FORMAT_NAME,
         "version": mf.FORMAT_VERSION,
         "iteration": int(iteration),
@@ -464,6 +468,11 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
         "args": _jsonable(args or {}),
         "tensors": copy.deepcopy(entries),
     }
+    if not save_rng:
+        head["rng_saved"] = False
+    if progress is not None:
+        head["progress"] = _jsonable(progress)
+    return head
 
 
 def _commit(save_dir, tmp, final, iteration, manifest, all_checksums, keep_last) -> None:

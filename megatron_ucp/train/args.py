@@ -148,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="universal: start a fresh learning-rate scheduler (needed when the checkpoint holds "
                         "none: otherwise that is an error)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="an error when --load holds no checkpoint (else: train from scratch)")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="universal: save the weights only, no optimizer or scheduler state")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="universal: save no RNG state (a load then reseeds from --seed)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="universal: take the model's architecture arguments from the checkpoint "
+                        "in --load (a differing command-line value is overridden, with a note)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save (synchronously) and exit 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit 0 after the iteration that passes this much wall time")
 
     g = p.add_argument_group("elastic training")
     g.add_argument("--elastic", action="store_true",
@@ -317,6 +330,11 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
           "--async-save needs --ckpt-format universal")
     _need(not args.elastic or args.ckpt_format == "universal",
           "--elastic needs --ckpt-format universal (torch_dist and torch checkpoints load only on their own layout)")
+    for flag in ("no_save_optim", "no_save_rng"):
+        _need(not getattr(args, flag) or args.ckpt_format == "universal",
+              f"--{flag.replace('_', '-')} needs --ckpt-format universal")
+    _need(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+          f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     _need(args.ckpt_step is None or args.ckpt_step >= 0, f"--ckpt-step must be >= 0, got {args.ckpt_step}")
     _need(args.distributed_timeout_minutes > 0,
           f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")

@@ -58,8 +58,10 @@ def finish_pending_save(state) -> None:
         pending.wait()
 
 
-def save(args, state, iteration: int, consumed: int) -> None:
+def save(args, state, iteration: int, consumed: int, sync: bool = False) -> None:
+    """Save as the flags say; `sync` saves synchronously even with --async-save (an exit)."""
     finish_pending_save(state)
+    background = args.async_save and not sync
     start = time.perf_counter()
     if args.ckpt_format in ("torch_dist", "torch"):
         from megatron_ucp.train import legacy, native
@@ -73,14 +75,18 @@ def save(args, state, iteration: int, consumed: int) -> None:
     else:
         from megatron_ucp.api import save_universal
 
-        result = save_universal(args.save, iteration, state.model, state.optimizer, state.scheduler,
+        weights_only = args.no_save_optim  # as Megatron-LM: neither optimizer nor scheduler
+        result = save_universal(args.save, iteration, state.model,
+                                None if weights_only else state.optimizer,
+                                None if weights_only else state.scheduler,
                                 vocab_size=args.vocab_size, consumed_samples=consumed,
                                 args=vars(args), keep_last=args.keep_last,
-                                async_save=args.async_save)
-        if args.async_save:
+                                async_save=background, save_rng=not args.no_save_rng,
+                                progress=dict(state.progress))
+        if background:
             state.pending_save = result
     if dist.get_rank() == 0:
-        verb = "started background save" if args.async_save else "saved checkpoint"
+        verb = "started background save" if background else "saved checkpoint"
         print(f" {verb} at iteration {iteration:8d} to {args.save} ({args.ckpt_format}) "
               f"in {time.perf_counter() - start:.2f} s", flush=True)
 
@@ -104,6 +110,86 @@ def latest_checkpoint(args):
     from megatron_ucp.manifest import read_manifest
 
     return iteration, directory, read_manifest(directory)["layout"]
+
+
+def prepare_load(args) -> None:
+    """Before the model is built: `--load` without a checkpoint yet starts from scratch, as in
+    Megatron-LM (the first job of a requeued chain points --load and --save at one new folder),
+    or is a one-line error with --exit-on-missing-checkpoint; --use-checkpoint-args then takes
+    the architecture from the checkpoint. Collective: rank 0 looks, every rank agrees."""
+    from megatron_ucp.collective import run_everywhere
+
+    if not args.load:
+        return
+    found = [run_everywhere(lambda: _has_checkpoint(args) if dist.get_rank() == 0 else None)]
+    dist.broadcast_object_list(found, src=0)
+    if not found[0] and args.elastic and not args.exit_on_missing_checkpoint:
+        return  # --elastic starts fresh itself, and says so
+    if not found[0]:
+        tracker = os.path.join(args.load, TRACKER)
+        if args.exit_on_missing_checkpoint:
+            raise IncompleteCheckpointError(f"{tracker}: no checkpoint in --load {args.load} "
+                                            "(--exit-on-missing-checkpoint)")
+        if dist.get_rank() == 0:
+            print(f" no checkpoint in --load {args.load} (no {TRACKER}): training from scratch",
+                  flush=True)
+        args.load = None
+        return
+    if args.use_checkpoint_args:
+        saved = [run_everywhere(lambda: _saved_args(args) if dist.get_rank() == 0 else None)]
+        dist.broadcast_object_list(saved, src=0)
+        use_checkpoint_args(args, saved[0], verbose=dist.get_rank() == 0)
+
+
+def _has_checkpoint(args) -> bool:
+    """A tracker (or --ckpt-step) names a checkpoint; whether it is sound is load's to say."""
+    return args.ckpt_step is not None or os.path.lexists(os.path.join(args.load, TRACKER))
+
+
+# Megatron-LM's --use-checkpoint-args takes the model's shape from the checkpoint (its
+# load_args_from_checkpoint); the parallel layout and the training schedule stay the command
+# line's (a universal checkpoint loads on any layout).
+CHECKPOINT_ARGS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+    "group_query_attention", "num_query_groups", "seq_length", "max_position_embeddings",
+    "vocab_size", "make_vocab_size_divisible_by", "swiglu", "normalization", "norm_epsilon",
+    "position_embedding_type", "rotary_base", "untie_embeddings_and_output_weights",
+    "disable_bias_linear", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_grouped_gemm",
+)
+
+
+def _saved_args(args) -> dict:
+    """The arguments the checkpoint to load was saved with (its manifest's "args")."""
+    iteration, directory = _load_target(args)
+    if not _is_universal(directory):
+        raise FormatError(f"{directory}: --use-checkpoint-args reads the arguments of a universal "
+                          "checkpoint (ucp.json); convert it with tools/convert_to_universal.py")
+    from megatron_ucp.manifest import MANIFEST, read_manifest
+
+    saved = read_manifest(directory).get("args")
+    if not isinstance(saved, dict) or not saved:
+        raise FormatError(f"{os.path.join(directory, MANIFEST)}: key 'args' holds no arguments; "
+                          "--use-checkpoint-args needs them (drop the flag and give the model's "
+                          "arguments on the command line)")
+    return saved
+
+
+def use_checkpoint_args(args, saved: dict, verbose: bool = False) -> list:
+    """Set the model arguments from `saved`; returns (and prints) the values it changed."""
+    changed = []
+    for name in CHECKPOINT_ARGS:
+        if name in saved and saved[name] != getattr(args, name, None):
+            changed.append((name, getattr(args, name, None), saved[name]))
+            setattr(args, name, saved[name])
+    if verbose:
+        for name, old, new in changed:
+            if old is None:  # not given: derived later from the other arguments
+                continue
+            print(f" --use-checkpoint-args: --{name.replace('_', '-')} {new} from the checkpoint "
+                  f"(was {old})", flush=True)
+    return changed
 
 
 def keep_saved_vocab_padding(args) -> None:
@@ -154,6 +240,7 @@ def load(args, state, reseed=None):
                                 strict=not args.no_strict_load,
                                 verify=not args.no_verify_checkpoint, reseed=reseed)
         iteration, consumed = result.iteration, result.consumed_samples
+        state.progress = dict(result.manifest.get("progress") or {})
     else:
         from megatron_ucp.train import legacy, native
 

@@ -23,7 +23,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ucp import compat
-from megatron_ucp.train import checkpointing
+from megatron_ucp.train import checkpointing, progress
 from megatron_ucp.train.args import build_parser, validate
 from megatron_ucp.train.data import build_dataset, microbatches
 from megatron_ucp.train.model import build_train_state
@@ -123,7 +123,7 @@ def train_step(state, batches, args):
     return _mean_loss(losses_reduced), grad_norm, update_successful
 
 
-def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm) -> None:
+def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm, extra=None) -> None:
     if dist.get_rank() != 0:
         return
     if iteration % args.log_interval == 0:
@@ -137,7 +137,7 @@ def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm) -> None:
     if args.loss_log:
         with open(args.loss_log, "a") as f:
             record = dict(iteration=iteration, loss=loss, lr=lr, grad_norm=grad_norm,
-                          consumed_samples=consumed)
+                          consumed_samples=consumed, **(extra or {}))
             f.write(json.dumps(record) + "\n")
 
 
@@ -147,6 +147,7 @@ def session(argv=None):
 
     Yields (args, state). Several sessions may run one after another in one process group.
     """
+    progress.started()
     args = build_parser().parse_args(argv)
     if args.cpu:
         from megatron_ucp import cpu_mode
@@ -154,6 +155,7 @@ def session(argv=None):
         cpu_mode.enable()
     compat.apply()
     init_distributed(args.cpu, args.distributed_timeout_minutes)
+    checkpointing.prepare_load(args)
     if args.elastic:
         elastic_layout(args, dist.get_world_size())
     validate(args, dist.get_world_size())
@@ -161,6 +163,7 @@ def session(argv=None):
     initialize(args)
     state = None
     with contextlib.ExitStack() as stack:
+        stack.enter_context(progress.signal_handler(args.exit_signal_handler))
         if args.fused_adam_standin:
             from megatron_ucp import fused_adam_standin
 
@@ -225,6 +228,14 @@ def resume(args, state):
     return checkpointing.load(args, state, reseed=lambda it: set_seeds(args.seed + it))
 
 
+def _count(args, record: dict, update_successful) -> None:
+    """Megatron-LM's bookkeeping, kept in checkpoints: model FLOPs so far, skipped updates
+    (fp16 overflow)."""
+    key = "num_floating_point_operations_so_far"
+    record[key] = record.get(key, 0) + progress.num_floating_point_operations(args, args.global_batch_size)
+    record["skipped_iterations"] = record.get("skipped_iterations", 0) + (0 if update_successful else 1)
+
+
 def train(args, state) -> list:
     if args.save:
         checkpointing.claim_save_folder(args)
@@ -234,20 +245,27 @@ def train(args, state) -> list:
     dp_size = parallel_state.get_data_parallel_world_size()
     history = []
     last = min(args.train_iters, args.exit_interval or args.train_iters)
-    while iteration < last:
+    stopper, stop = progress.Stopper(args), None
+    while iteration < last and stop is None:
         start = time.perf_counter()
         batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
                                dp_rank, dp_size)
-        loss, grad_norm, _ = train_step(state, batches, args)
+        loss, grad_norm, update_successful = train_step(state, batches, args)
         iteration += 1
         consumed += args.global_batch_size
+        _count(args, state.progress, update_successful)
         lr = state.optimizer.param_groups[0]["lr"]
-        _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0)
+        _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0,
+             state.progress)
         history.append((iteration, loss))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             checkpointing.save(args, state, iteration, consumed)
+        stop = stopper.should_stop()
+    if stop is not None and dist.get_rank() == 0:
+        print(f" {stop}: exiting after iteration {iteration}"
+              + (", saving it first" if args.save else ""), flush=True)
     if args.save and (not args.save_interval or iteration % args.save_interval != 0) and history:
-        checkpointing.save(args, state, iteration, consumed)
+        checkpointing.save(args, state, iteration, consumed, sync=stop is not None)
     checkpointing.finish_pending_save(state)
     if args.save:
         checkpointing.release_save_folder(args)

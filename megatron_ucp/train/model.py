@@ -4,7 +4,7 @@ Everything here is plain megatron-core; the only choices are Megatron-LM's defau
 local (non-TE) layer spec when transformer-engine is absent.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -132,6 +132,8 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
     pending_save: object = None  # an AsyncSave still writing, if any
+    # Megatron-LM's bookkeeping: num_floating_point_operations_so_far, skipped_iterations.
+    progress: dict = field(default_factory=dict)
 
 
 def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
