@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_ucp.errors import ConfigError
 from megatron_ucp.train.data import (
-    IndexedGPTDataset, MockGPTDataset, build_dataset, microbatch_sample_indices, microbatches)
+    MockGPTDataset, build_dataset, microbatch_sample_indices, microbatches)
 
 
 class IndexDataset:
@@ -141,87 +141,14 @@ def test_microbatches_rejects_indivisible_and_bad_rank():
     assert microbatch_sample_indices(5, 8, 2, 1, 2) == [[7, 8], [11, 12]]
 
 
-# ---------------------------------------------------------------- indexed data
-
-
-def write_indexed(prefix, documents, dtype=np.int32):
-    """Write documents (lists of sequences) with Megatron's builder; return all tokens in order."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
-    for doc in documents:
-        for seq in doc:
-            builder.add_item(torch.tensor(seq, dtype=torch.int64))
-        builder.end_document()
-    builder.finalize(str(prefix) + ".idx")
-    return np.concatenate([np.asarray(s, dtype=np.int64) for doc in documents for s in doc])
-
-
-@pytest.fixture
-def indexed(tmp_path):
-    rng = np.random.default_rng(0)
-    documents = [[rng.integers(0, 100, n).tolist() for n in lens]
-                 for lens in ([5, 3], [17], [0, 1], [9, 4, 2], [30])]
-    prefix = tmp_path / "corpus"
-    return prefix, write_indexed(prefix, documents)
-
-
-def test_indexed_windows_are_the_written_tokens(indexed):
-    prefix, tokens = indexed  # 71 tokens
-    ds = IndexedGPTDataset(str(prefix), seq_length=8, vocab_size=100)
-    assert len(ds) == (len(tokens) - 1) // 8 == 8
-    for j in range(len(ds)):
-        x = ds[j]
-        assert x.dtype == np.int64
-        np.testing.assert_array_equal(x, tokens[j * 8: j * 8 + 9])
-    windows = np.concatenate([ds[j][:-1] for j in range(len(ds))])
-    np.testing.assert_array_equal(windows, tokens[: len(ds) * 8])
-
-
-def test_indexed_wraps_around(indexed):
-    prefix, _ = indexed
-    ds = IndexedGPTDataset(str(prefix), seq_length=8, vocab_size=100)
-    for j in range(len(ds)):
-        np.testing.assert_array_equal(ds[j + len(ds)], ds[j])
-        np.testing.assert_array_equal(ds[j + 5 * len(ds)], ds[j])
-    batches = microbatches(ds, 6, 4, 2, 0, 1)  # samples 6, 7, 8 -> 0, 9 -> 1
-    assert torch.equal(batches[1]["tokens"][0], torch.from_numpy(ds[0][:-1]))
-
-
-def test_indexed_out_of_vocab_token_names_path_and_token(tmp_path):
-    prefix = tmp_path / "bad"
-    write_indexed(prefix, [[[1, 2, 3, 4]], [[5, 6, 777, 8, 9]]])
-    ds = IndexedGPTDataset(str(prefix), seq_length=4, vocab_size=100)
-    ds[0]  # tokens 1..5 are fine
-    with pytest.raises(ValueError) as e:
-        ds[1]
-    msg = str(e.value)
-    assert str(prefix) + ".bin" in msg and "777" in msg and "100" in msg
-
-
-@pytest.mark.parametrize("missing", [".bin", ".idx"])
-def test_indexed_missing_file_names_it(indexed, missing):
-    prefix, _ = indexed
-    (prefix.parent / (prefix.name + missing)).unlink()
-    with pytest.raises(FileNotFoundError, match=str(prefix) + missing):
-        IndexedGPTDataset(str(prefix), seq_length=8, vocab_size=100)
-
-
-def test_indexed_too_short_is_an_error(tmp_path):
-    prefix = tmp_path / "short"
-    write_indexed(prefix, [[[1, 2, 3]]])
-    with pytest.raises(ValueError, match="3 tokens"):
-        IndexedGPTDataset(str(prefix), seq_length=8, vocab_size=100)
-
-
 # ---------------------------------------------------------------- build_dataset
 
 
-def test_build_dataset(indexed):
-    prefix, _ = indexed
+def test_build_dataset():
     assert isinstance(build_dataset(None, True, 100, 8, 0), MockGPTDataset)
-    assert isinstance(build_dataset(str(prefix), False, 100, 8, 0), IndexedGPTDataset)
     with pytest.raises(ConfigError, match="no training data"):
         build_dataset(None, False, 100, 8, 0)
     with pytest.raises(ConfigError, match="not both"):
-        build_dataset(str(prefix), True, 100, 8, 0)
+        build_dataset("corpus", True, 100, 8, 0)
+    with pytest.raises(ConfigError, match="GPTDataset"):  # tests/test_megatron_data.py
+        build_dataset("corpus", False, 100, 8, 0)

@@ -112,7 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-path", default=None, help="prefix of a Megatron .bin/.idx pair")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="megatron-core GPTDataset: one .bin/.idx prefix, or a blend "
+                        "'W1 PREFIX1 W2 PREFIX2 ...'")
+    g.add_argument("--split", default="969, 30, 1", help="train,valid,test weights (Megatron-LM's)")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where the shuffled index files go (default: megatron's, beside the data)")
+    g.add_argument("--tokenizer-type", choices=["NullTokenizer"], default=None,
+                   help="pretokenized data: token ids < --vocab-size, EOD = --vocab-size (the model "
+                        "then has --vocab-size + 1 entries, as in Megatron-LM)")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations and at the end (default: none)")
+    g.add_argument("--eval-iters", type=int, default=100, help="global batches per validation")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write scalars here with torch.utils.tensorboard (needs `tensorboard`)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -324,6 +339,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     )
     _need(args.mock_data or args.data_path is not None, "give --mock-data or --data-path")
     _need(not (args.mock_data and args.data_path), "give only one of --mock-data and --data-path")
+    validate_data(args)
     _need(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _need(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _need(not args.async_save or args.ckpt_format == "universal",
@@ -357,6 +373,20 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     return args
+
+
+def validate_data(args) -> None:
+    """Data, tokenizer and validation flags. A NullTokenizer adds its EOD id (= --vocab-size) to
+    the model's vocabulary, as Megatron-LM does; once only, validate may run twice."""
+    _need(not args.data_path or args.tokenizer_type == "NullTokenizer",
+          "--data-path needs --tokenizer-type NullTokenizer (pretokenized .bin/.idx data)")
+    if args.tokenizer_type == "NullTokenizer" and getattr(args, "eod_token", None) is None:
+        args.eod_token = args.vocab_size
+        args.vocab_size += 1
+    _need(args.eval_interval is None or args.eval_interval >= 1,
+          f"--eval-interval must be >= 1, got {args.eval_interval}")
+    _need(args.eval_iters >= 1 or args.eval_interval is None,
+          f"--eval-interval needs --eval-iters >= 1, got {args.eval_iters}")
 
 
 def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:

@@ -80,93 +80,125 @@ class MockGPTDataset:
         return (self._coef[0][steps] * starts[last_restart] + self._coef[1][steps]) % self.modulus
 
 
-class IndexedGPTDataset:
-    """Samples cut from a Megatron indexed dataset (``<prefix>.bin`` / ``<prefix>.idx``).
+class GPTSamples:
+    """One split of megatron-core's ``GPTDataset`` (or ``BlendedDataset`` of them), by global index.
 
-    All sequences are concatenated in file order (no shuffling, no document boundaries or EOD
-    handling: reproducibility and simplicity over sample quality) and cut into consecutive windows
-    of ``seq_length`` tokens; sample ``j`` is tokens ``j*seq_length .. (j+1)*seq_length``, i.e. the
-    window plus the next token for the last label. ``len`` is the number of full samples; indices
-    beyond it wrap around (``j % len``), so a run longer than one epoch re-reads the data in the
-    same order. Token ids are checked against ``vocab_size`` when a sample is read.
+    Megatron shuffles documents and samples once, from the seed, when it builds the index files;
+    sample ``i`` is then fixed, so a run that resumes after ``consumed`` samples on any layout reads
+    what the uninterrupted run would. Indices past the end wrap around (``i % len``). Token ids
+    are checked against the model's vocabulary when a sample is read.
     """
 
-    def __init__(self, path_prefix: str, seq_length: int, vocab_size: int):
-        # Imported here: megatron.core takes seconds to import and the mock path does not need it.
-        from megatron.core.datasets.indexed_dataset import (
-            IndexedDataset, get_bin_path, get_idx_path)
+    KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
-        if seq_length < 1 or vocab_size < 1:
-            raise ValueError(f"IndexedGPTDataset needs seq_length >= 1 and vocab_size >= 1, "
-                             f"got seq_length={seq_length}, vocab_size={vocab_size}")
-        self.path_prefix = path_prefix
-        self.seq_length = seq_length
-        self.vocab_size = vocab_size
-        self.bin_path = get_bin_path(path_prefix)
-        self.idx_path = get_idx_path(path_prefix)
-        for path in (self.idx_path, self.bin_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"indexed dataset file {path} not found (data path prefix {path_prefix!r} "
-                    f"needs both {path_prefix}.bin and {path_prefix}.idx)")
-        if os.path.getsize(self.bin_path) == 0:
-            raise ValueError(f"indexed dataset file {self.bin_path} is empty")
-        try:
-            self._data = IndexedDataset(path_prefix, mmap=True)
-        except (AssertionError, ValueError, OSError) as e:
-            raise ValueError(
-                f"cannot read indexed dataset {self.idx_path} / {self.bin_path}: {e}") from e
-
-        lengths = np.asarray(self._data.sequence_lengths, dtype=np.int64)
-        self._ends = np.cumsum(lengths)  # token offset one past the end of each sequence
-        self._starts = self._ends - lengths
-        self.num_tokens = int(self._ends[-1]) if len(lengths) else 0
-        self._len = (self.num_tokens - 1) // seq_length if self.num_tokens else 0
+    def __init__(self, dataset, vocab_size: int, name: str):
+        self.dataset, self.vocab_size, self.name = dataset, vocab_size, name
+        self._len = len(dataset)
         if self._len == 0:
-            raise ValueError(
-                f"indexed dataset {self.bin_path} holds {self.num_tokens} tokens, fewer than the "
-                f"{seq_length + 1} one sample of seq_length {seq_length} needs")
+            raise ConfigError(f"the {name} split of --data-path holds no sample")
 
     def __len__(self) -> int:
         return self._len
 
-    def _read_tokens(self, start: int, count: int) -> np.ndarray:
-        """Tokens ``start .. start+count-1`` of the concatenation, possibly spanning sequences."""
-        pieces = []
-        seq = int(np.searchsorted(self._ends, start, side="right"))  # skips empty sequences
-        pos, left = start, count
-        while left > 0:
-            offset = pos - int(self._starts[seq])
-            n = min(left, int(self._ends[seq]) - pos)
-            if n > 0:
-                pieces.append(self._data.get(seq, offset=offset, length=n))
-                pos, left = pos + n, left - n
-            seq += 1
-        return np.concatenate(pieces).astype(np.int64)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        i = int(i)
-        if i < 0:
-            raise IndexError(f"IndexedGPTDataset index {i} is negative")
-        tokens = self._read_tokens((i % self._len) * self.seq_length, self.seq_length + 1)
-        bad = (tokens < 0) | (tokens >= self.vocab_size)
-        if bad.any():
-            token = int(tokens[np.argmax(bad)])
+    def __getitem__(self, i: int) -> dict:
+        sample = self.dataset[int(i) % self._len]
+        ids = torch.cat([sample["tokens"], sample["labels"]])
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bool(bad.any()):
             raise ValueError(
-                f"indexed dataset {self.bin_path} holds token id {token}, outside the model's "
-                f"vocabulary of size {self.vocab_size} (sample {i})")
-        return tokens
+                f"--data-path holds token id {int(ids[bad][0])}, outside the model's vocabulary of "
+                f"size {self.vocab_size} ({self.name} sample {i})")
+        return {k: sample[k] for k in self.KEYS}
 
 
-def build_dataset(data_path: str | None, mock: bool, vocab_size: int, seq_length: int, seed: int):
-    """The dataset a run trains on: mock data or an indexed dataset at ``data_path`` (a prefix)."""
+class OffsetSamples:
+    """Samples ``offset + i`` of a dataset: mock validation data, disjoint from training's."""
+
+    def __init__(self, dataset, offset: int):
+        self.dataset, self.offset = dataset, offset
+
+    def __getitem__(self, i: int):
+        return self.dataset[self.offset + int(i)]
+
+
+# Mock validation samples start here: training never consumes 2**62 samples.
+MOCK_VALIDATION_OFFSET = 2**62
+
+
+def split_sizes(args) -> list[int]:
+    """Samples per split, as Megatron-LM asks the builder for them (train, valid, test).
+
+    The train split's size, hence its shuffle, depends on --train-iters: a resumed run keeps it,
+    as in Megatron-LM. Without --eval-interval, Megatron-LM's default interval (1000) sizes valid.
+    """
+    gbs = args.global_batch_size
+    evals = args.train_iters // (args.eval_interval or 1000) + 1
+    return [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs]
+
+
+def gpt_dataset_config(args):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    return GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path), split=args.split,
+        path_to_cache=args.data_cache_path, tokenizer=NullTokenizer(args.eod_token),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=False,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False)
+
+
+def check_prefixes(prefixes: list[str]) -> None:
+    """Missing files are an error on every rank before megatron's rank-0-first build starts."""
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ConfigError(f"--data-path: {prefix}{suffix} not found (a prefix names "
+                                  f"{prefix}.bin and {prefix}.idx)")
+
+
+def build_gpt_datasets(args):
+    """(train, valid) through megatron-core's BlendedMegatronDatasetBuilder; collective.
+
+    Every rank reads its own samples (no broadcast within TP), so every rank builds: rank 0 writes
+    the index cache first, the others wait at megatron's barriers, then read the cache.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from megatron_ucp.collective import run_everywhere
+
+    config = gpt_dataset_config(args)
+    run_everywhere(check_prefixes, config.blend[0])
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, split_sizes(args), lambda: True, config).build()
+    if train is None:
+        raise ConfigError(f"--split {args.split!r} leaves no training data")
+    if valid is None and args.eval_interval:
+        raise ConfigError(f"--eval-interval needs a validation split: --split {args.split!r} has none")
+    return (GPTSamples(train, args.vocab_size, "train"),
+            GPTSamples(valid, args.vocab_size, "validation") if valid is not None else None)
+
+
+def build_datasets(args):
+    """(train, valid) datasets of a run; valid is None when it runs no validation."""
+    if args.data_path:
+        return build_gpt_datasets(args)
+    train = build_dataset(None, args.mock_data, args.vocab_size, args.seq_length, args.seed)
+    return train, OffsetSamples(train, MOCK_VALIDATION_OFFSET)
+
+
+def build_dataset(data_path, mock: bool, vocab_size: int, seq_length: int, seed: int):
+    """The mock dataset a run trains on; a data path goes through :func:`build_gpt_datasets`."""
     if mock and data_path:
         raise ConfigError(
             f"give either mock data or a data path, not both (data path {data_path!r})")
     if mock:
         return MockGPTDataset(vocab_size, seq_length, seed)
     if data_path:
-        return IndexedGPTDataset(data_path, seq_length, vocab_size)
+        raise ConfigError("a data path is read by build_gpt_datasets (megatron-core's GPTDataset)")
     raise ConfigError(
         "no training data: give a data path prefix (<prefix>.bin/.idx) or ask for mock data")
 
@@ -197,7 +229,10 @@ def microbatch_sample_indices(consumed_samples: int, global_batch_size: int, mic
 
 
 def make_batch(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """A GPT micro-batch in Megatron's layout from samples of ``seq_length + 1`` tokens."""
+    """A GPT micro-batch in Megatron's layout from samples of ``seq_length + 1`` tokens (mock) or
+    GPTDataset's sample dicts."""
+    if isinstance(samples[0], dict):  # GPTDataset: masks and positions come with the sample
+        return {k: torch.stack([s[k] for s in samples]) for k in GPTSamples.KEYS}
     data = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
     tokens = data[:, :-1].contiguous()
     labels = data[:, 1:].contiguous()

@@ -25,8 +25,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ucp import compat
 from megatron_ucp.train import checkpointing, progress
 from megatron_ucp.train.args import build_parser, validate
-from megatron_ucp.train.data import build_dataset, microbatches
+from megatron_ucp.train.data import build_datasets, microbatches
 from megatron_ucp.train.model import build_train_state
+from megatron_ucp.train.monitor import Monitor
 
 
 def init_distributed(cpu: bool, timeout_minutes: float = 10.0) -> None:
@@ -121,6 +122,39 @@ def train_step(state, batches, args):
     update_successful, grad_norm, _ = state.optimizer.step()
     state.scheduler.step(increment=args.global_batch_size)
     return _mean_loss(losses_reduced), grad_norm, update_successful
+
+
+def evaluate(args, state, dataset, iteration) -> float:
+    """Mean loss of --eval-iters forward-only global batches of the validation split.
+
+    The evaluation at iteration N reads block (N - 1) // --eval-interval of the split (Megatron-LM's
+    uninterrupted order): a pure function of the iteration, whatever the layout or a resume.
+    """
+    gbs, dp = args.global_batch_size, parallel_state.get_data_parallel_world_size()
+    first = (iteration - 1) // args.eval_interval * args.eval_iters * gbs
+    for chunk in state.model:
+        chunk.eval()
+    total = 0.0
+    with torch.no_grad():
+        for k in range(args.eval_iters):
+            batches = microbatches(dataset, first + k * gbs, gbs, args.micro_batch_size,
+                                   parallel_state.get_data_parallel_rank(), dp)
+            iterators = [iter(batches) for _ in state.model]
+            total += _mean_loss(get_forward_backward_func()(
+                forward_step_func=_forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=state.model, num_microbatches=len(batches), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                forward_only=True))
+    for chunk in state.model:
+        chunk.train()
+    return total / args.eval_iters
+
+
+def _timed_save(args, state, iteration, consumed, monitor, sync=False) -> None:
+    start = time.perf_counter()
+    checkpointing.save(args, state, iteration, consumed, sync=sync)
+    monitor.scalars(iteration, {"save-checkpoint-seconds": time.perf_counter() - start})
 
 
 def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm, extra=None) -> None:
@@ -239,8 +273,12 @@ def _count(args, record: dict, update_successful) -> None:
 def train(args, state) -> list:
     if args.save:
         checkpointing.claim_save_folder(args)
-    dataset = build_dataset(args.data_path, args.mock_data, args.vocab_size, args.seq_length, args.seed)
+    monitor = Monitor(args)
+    dataset, valid = build_datasets(args)
+    start = time.perf_counter()
     iteration, consumed = resume(args, state)
+    if args.load:
+        monitor.scalars(iteration, {"load-checkpoint-seconds": time.perf_counter() - start})
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     history = []
@@ -257,16 +295,23 @@ def train(args, state) -> list:
         lr = state.optimizer.param_groups[0]["lr"]
         _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0,
              state.progress)
+        monitor.scalars(iteration, {"lm loss": loss, "learning-rate": lr,
+                                    "grad-norm": float(grad_norm or 0.0)})
         history.append((iteration, loss))
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            monitor.validation(iteration, evaluate(args, state, valid, iteration))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpointing.save(args, state, iteration, consumed)
+            _timed_save(args, state, iteration, consumed, monitor)
         stop = stopper.should_stop()
     if stop is not None and dist.get_rank() == 0:
         print(f" {stop}: exiting after iteration {iteration}"
               + (", saving it first" if args.save else ""), flush=True)
+    if args.eval_interval and iteration % args.eval_interval != 0 and history and stop is None:
+        monitor.validation(iteration, evaluate(args, state, valid, iteration), final=True)
     if args.save and (not args.save_interval or iteration % args.save_interval != 0) and history:
-        checkpointing.save(args, state, iteration, consumed, sync=stop is not None)
+        _timed_save(args, state, iteration, consumed, monitor, sync=stop is not None)
     checkpointing.finish_pending_save(state)
     if args.save:
         checkpointing.release_save_folder(args)
+    monitor.close()
     return history
