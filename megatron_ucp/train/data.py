@@ -171,7 +171,10 @@ def build_gpt_datasets(args):
     from megatron_ucp.collective import run_everywhere
 
     config = gpt_dataset_config(args)
-    run_everywhere(check_prefixes, config.blend[0])
+    if torch.distributed.is_initialized():
+        run_everywhere(check_prefixes, config.blend[0])
+    else:
+        check_prefixes(config.blend[0])
     train, valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, split_sizes(args), lambda: True, config).build()
     if train is None:
