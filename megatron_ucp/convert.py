@@ -53,6 +53,10 @@ def argv_from_args(args: dict) -> list:
         if action.nargs == 0:  # store_true
             if value:
                 argv.append(flag)
+        elif dest == "vocab_size" and args.get("eod_token") is not None:
+            argv += [flag, str(args["eod_token"])]  # the flag's value: the NullTokenizer adds EOD
+        elif isinstance(value, (list, tuple)):  # --data-path W1 P1 W2 P2
+            argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

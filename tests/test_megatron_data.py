@@ -212,3 +212,23 @@ def test_resume_on_another_layout_continues_data_and_validation(corpus, tmp_path
     tb_resumed = scalars(tmp_path / "tb_tp2")
     assert sorted(tb_resumed["load-checkpoint-seconds"]) == [5]
     assert abs(tb_resumed["lm loss validation"][10] - val_ref[10]) <= 1e-4
+
+
+def test_stored_arguments_rebuild_the_same_vocabulary(corpus):
+    """Converters rebuild a run from its stored arguments: the EOD is added once, not twice."""
+    from megatron_ucp.convert import argv_from_args
+
+    args = data_args(corpus)
+    again = validate(build_parser().parse_args(argv_from_args(vars(args))), 1)
+    assert (again.vocab_size, again.padded_vocab_size) == (args.vocab_size, args.padded_vocab_size)
+    assert again.data_path == args.data_path
+
+
+def test_mock_validation_stream_is_disjoint_from_training():
+    from megatron_ucp.train.data import MOCK_VALIDATION_OFFSET, build_datasets
+
+    args = validate(build_parser().parse_args(BASE + ["--eval-interval", "5"]), 1)
+    train, valid = build_datasets(args)
+    for i in (0, 3, 17):
+        assert np.array_equal(valid[i], train[MOCK_VALIDATION_OFFSET + i])
+        assert not np.array_equal(valid[i], train[i])
