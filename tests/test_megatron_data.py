@@ -131,6 +131,15 @@ def test_bad_data_is_a_clear_error(corpus, tmp_path, process_group):
     with pytest.raises(ConfigError, match=r"nothere\.bin not found"):
         build_gpt_datasets(validate(build_parser().parse_args(
             ["--data-path", str(tmp_path / "nothere"), "--tokenizer-type", "NullTokenizer"]), 1))
+    # 200 documents per prefix: "999,1,0" leaves validation none (megatron would loop forever).
+    with pytest.raises(ConfigError, match=r"--split '999,1,0' leaves the validation split of .*A"):
+        build_gpt_datasets(data_args(corpus, "--split", "999,1,0", "--data-cache-path",
+                                     str(tmp_path)))
+    # Megatron-LM's default split gives the test split no document; the run never reads it.
+    args = data_args(corpus, "--split", "969,30,1", "--data-cache-path", str(tmp_path))
+    args.eval_interval = None
+    train, valid = build_gpt_datasets(args)
+    assert valid is None and len(train) >= 80
     args = data_args(corpus, "--data-cache-path", str(tmp_path))
     args.vocab_size = 120  # B's ids (100..163) do not fit
     train, _ = build_gpt_datasets(args)

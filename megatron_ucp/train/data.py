@@ -149,13 +149,33 @@ def gpt_dataset_config(args):
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=False)
 
 
-def check_prefixes(prefixes: list[str]) -> None:
-    """Missing files are an error on every rank before megatron's rank-0-first build starts."""
-    for prefix in prefixes:
+def used_splits(config, args) -> None:
+    """Build only the splits the run reads (train; valid with --eval-interval): megatron builds
+    every split of --split, and one without a token loops forever looking for its epochs."""
+    used = (True, bool(args.eval_interval), False)
+    config.split_matrix = [m if u else None for m, u in zip(config.split_matrix, used)]
+
+
+def check_splits(config, split: str) -> None:
+    """Missing files and empty splits are errors on every rank, before megatron's rank-0-first
+    build starts (where rank 0 would fail alone, or never finish)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in config.blend[0]:
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(prefix + suffix):
                 raise ConfigError(f"--data-path: {prefix}{suffix} not found (a prefix names "
                                   f"{prefix}.bin and {prefix}.idx)")
+        index = IndexedDataset(prefix, mmap=True)
+        lengths = np.array(index.sequence_lengths)  # a copy: the view dies with the index's mmap
+        del index
+        for name, bookends in zip(("train", "validation"), config.split_matrix):
+            if bookends is None:
+                continue
+            beg, end = (int(round(b * len(lengths))) for b in bookends)
+            if int(np.sum(lengths[beg:end], dtype=np.int64)) == 0:
+                raise ConfigError(f"--split {split!r} leaves the {name} split of {prefix} without a "
+                                  f"token (it has {len(lengths)} sequences)")
 
 
 def build_gpt_datasets(args):
@@ -171,10 +191,11 @@ def build_gpt_datasets(args):
     from megatron_ucp.collective import run_everywhere
 
     config = gpt_dataset_config(args)
+    used_splits(config, args)
     if torch.distributed.is_initialized():
-        run_everywhere(check_prefixes, config.blend[0])
+        run_everywhere(check_splits, config, args.split)
     else:
-        check_prefixes(config.blend[0])
+        check_splits(config, args.split)
     train, valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, split_sizes(args), lambda: True, config).build()
     if train is None:
