@@ -241,3 +241,18 @@ def test_mock_validation_stream_is_disjoint_from_training():
     for i in (0, 3, 17):
         assert np.array_equal(valid[i], train[MOCK_VALIDATION_OFFSET + i])
         assert not np.array_equal(valid[i], train[i])
+
+
+def test_validation_line_is_megatron_lms(tmp_path, capsys, process_group):
+    from megatron_ucp.train.monitor import Monitor
+
+    log = tmp_path / "loss.jsonl"
+    monitor = Monitor(argparse.Namespace(tensorboard_dir=None, loss_log=str(log)))
+    monitor.validation(5, 2.0)
+    monitor.validation(7, 1.5, final=True)
+    out = capsys.readouterr().out
+    assert " validation loss at iteration 5 | lm loss value: 2.000000E+00 | lm loss PPL: " \
+           "7.389056E+00 | " in out
+    assert " validation loss at iteration 7 on validation set | lm loss value: 1.500000E+00 |" in out
+    assert [r["iteration"] for r in log_lines(log)] == [5, 7]
+    assert log_lines(log)[0]["validation_loss"] == 2.0
