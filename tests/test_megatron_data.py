@@ -188,6 +188,9 @@ def test_resume_on_another_layout_continues_data_and_validation(corpus, tmp_path
             "--tensor-model-parallel-size", "2", "--load", ckpt, "--ckpt-step", "5",
             "--load-universal", "--loss-log", str(tmp_path / "tp2.jsonl"),
             "--tensorboard-dir", str(tmp_path / "tb_tp2")]},
+        {"name": "pp2", "op": "train", "argv": argv + [  # forward-only through the pipeline
+            "--pipeline-model-parallel-size", "2", "--load", ckpt, "--ckpt-step", "5",
+            "--load-universal", "--loss-log", str(tmp_path / "pp2.jsonl")]},
     ]
     results = run_steps(2, steps, tmp_path, timeout=600)
     reference, resumed = losses(results, "dp2"), losses(results, "tp2")
@@ -206,6 +209,9 @@ def test_resume_on_another_layout_continues_data_and_validation(corpus, tmp_path
     assert sorted(val_ref) == [5, 10] and sorted(val_resumed) == [10]
     print(f"validation losses {val_ref}, resumed {val_resumed}")
     assert abs(val_ref[10] - val_resumed[10]) <= 1e-4, (val_ref, val_resumed)
+    pipelined = losses(results, "pp2")
+    assert max(abs(reference[i] - pipelined[i]) for i in pipelined) <= 1e-4, (reference, pipelined)
+    assert abs(val_ref[10] - validation("pp2")[10]) <= 1e-4, (val_ref, validation("pp2"))
     assert val_ref[10] < val_ref[5]
 
     tb = scalars(tmp_path / "tb_dp2")
