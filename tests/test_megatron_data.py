@@ -239,6 +239,17 @@ def test_stored_arguments_rebuild_the_same_vocabulary(corpus):
     assert again.data_path == args.data_path
 
 
+def test_use_checkpoint_args_keeps_the_vocabulary(corpus):
+    from megatron_ucp.train.checkpointing import use_checkpoint_args
+
+    saved = vars(data_args(corpus, "--num-layers", "2"))
+    args = build_parser().parse_args(["--data-path", str(corpus / "A"), "--tokenizer-type",
+                                      "NullTokenizer", "--vocab-size", "99"])
+    use_checkpoint_args(args, saved)
+    validate(args, 1)
+    assert (args.vocab_size, args.num_layers) == (VOCAB + 1, 2)
+
+
 def test_mock_validation_stream_is_disjoint_from_training():
     from megatron_ucp.train.data import MOCK_VALIDATION_OFFSET, build_datasets
 

@@ -179,6 +179,8 @@ def _saved_args(args) -> dict:
 def use_checkpoint_args(args, saved: dict, verbose: bool = False) -> list:
     """Set the model arguments from `saved`; returns (and prints) the values it changed."""
     changed = []
+    if saved.get("eod_token") is not None:  # NullTokenizer: the flag's value; validate adds EOD
+        saved = dict(saved, vocab_size=saved["eod_token"])
     for name in CHECKPOINT_ARGS:
         if name in saved and saved[name] != getattr(args, name, None):
             changed.append((name, getattr(args, name, None), saved[name]))
