@@ -365,7 +365,10 @@ def test_converted_moe_torch_dist_equals_a_direct_universal_save(w2, work):
         with open(work / direct / "iter_0000005" / "ucp.json") as f, \
                 open(work / f"C{src}2" / "iter_0000005" / "ucp.json") as g:
             a, b = json.load(f), json.load(g)
-        assert {k: v for k, v in a.items() if k != "args"} == {k: v for k, v in b.items() if k != "args"}
+        # The run's bookkeeping (FLOPs so far, skipped iterations) is kept by universal saves
+        # only: megatron's formats as this project writes them do not hold it (yet).
+        other = ("args", "progress")
+        assert {k: v for k, v in a.items() if k not in other} == {k: v for k, v in b.items() if k not in other}
     ok(w2, "c_moe_via_megatron")
     assert_same_state(work / "M" / "iter_0000005", work / "CMN" / "iter_0000005")
 
