@@ -19,7 +19,7 @@ TOL = 1e-4  # fp32: what the resume matrix holds every layout change to
 # bf16 weights: TP splits round matmuls differently (as in test_resume_matrix.BF16_TOL). The same
 # bound holds for moving between bf16 and fp32 moments: the checkpoint's moments are exact in
 # both, and the runs then differ only by rounding each later moment update to bf16 (a relative
-# 2^-8 of an update that is itself lr-sized), 10-100x below the bound in these runs.
+# 2^-8 of an update that is itself lr-sized). Measured: 0.7-2.7e-4 (2026-12-04, CI machine).
 BF16_TOL = 1e-3
 # fp16 weights and activations (10 mantissa bits): TP changes the summation order of every matmul.
 FP16_TOL = 1e-3
