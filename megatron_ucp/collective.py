@@ -40,3 +40,12 @@ def run_everywhere(fn, *args, group=None, **kwargs):
         error = e
     agree(error, group)
     return result
+
+
+def on_rank_zero(fn, *args, group=None, **kwargs):
+    """Run `fn` on rank 0 only (e.g. one read of a file every rank needs), agree on the outcome,
+    and return rank 0's result on every rank."""
+    rank0 = dist.get_rank() == 0  # broadcast's src is a global rank
+    result = [run_everywhere(lambda: fn(*args, **kwargs) if rank0 else None, group=group)]
+    dist.broadcast_object_list(result, src=0, group=group)
+    return result[0]

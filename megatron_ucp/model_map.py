@@ -1,10 +1,11 @@
 """Megatron glue: name every local parameter as an atomic tensor and find its optimizer state.
 
 This is the only module that knows megatron-core's parameter names and attributes (the
-optimizer's side is optimizer_state.py). It turns (model chunks, optimizer) into a list of `LocalTensor`s: for each parameter
-this rank holds, the atomic tensor it belongs to, its layout rule and TP coordinates, and the
-contiguous fragment of its flattened local tensor whose fp32 master weight and Adam moments live
-on this rank (the whole tensor without the distributed optimizer).
+optimizer's side is optimizer_state.py). It turns (model chunks, optimizer) into a list of
+`LocalTensor`s: for each parameter this rank holds, the atomic tensor it belongs to, its layout
+rule and TP coordinates, and the contiguous fragment of its flattened local tensor whose fp32
+master weight and Adam moments live on this rank (the whole tensor without the distributed
+optimizer).
 """
 
 import re

@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import host_memory, ownership, rng, storage
-from megatron_ucp.collective import run_everywhere
+from megatron_ucp.collective import on_rank_zero, run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
 from megatron_ucp.model_map import local_tensors
@@ -426,9 +426,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
     everywhere = functools.partial(run_everywhere, group=group)
     tmp = None
     try:
-        tmp = [everywhere(lambda: _prepare(save_dir, iteration) if rank == 0 else None)]
-        dist.broadcast_object_list(tmp, src=0, group=group)
-        tmp = tmp[0]
+        tmp = on_rank_zero(_prepare, save_dir, iteration, group=group)
         everywhere(_exchange_rows, transfers, group)
         everywhere(_create_files, tmp, entries, layouts, creators[rank])
         everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)

@@ -117,15 +117,14 @@ def prepare_load(args) -> None:
     Megatron-LM (the first job of a requeued chain points --load and --save at one new folder),
     or is a one-line error with --exit-on-missing-checkpoint; --use-checkpoint-args then takes
     the architecture from the checkpoint. Collective: rank 0 looks, every rank agrees."""
-    from megatron_ucp.collective import run_everywhere
+    from megatron_ucp.collective import on_rank_zero
 
     if not args.load:
         return
-    found = [run_everywhere(lambda: _has_checkpoint(args) if dist.get_rank() == 0 else None)]
-    dist.broadcast_object_list(found, src=0)
-    if not found[0] and args.elastic and not args.exit_on_missing_checkpoint:
+    found = on_rank_zero(_has_checkpoint, args)
+    if not found and args.elastic and not args.exit_on_missing_checkpoint:
         return  # --elastic starts fresh itself, and says so
-    if not found[0]:
+    if not found:
         tracker = os.path.join(args.load, TRACKER)
         if args.exit_on_missing_checkpoint:
             raise IncompleteCheckpointError(f"{tracker}: no checkpoint in --load {args.load} "
@@ -136,9 +135,7 @@ def prepare_load(args) -> None:
         args.load = None
         return
     if args.use_checkpoint_args:
-        saved = [run_everywhere(lambda: _saved_args(args) if dist.get_rank() == 0 else None)]
-        dist.broadcast_object_list(saved, src=0)
-        use_checkpoint_args(args, saved[0], verbose=dist.get_rank() == 0)
+        use_checkpoint_args(args, on_rank_zero(_saved_args, args), verbose=dist.get_rank() == 0)
 
 
 def _has_checkpoint(args) -> bool:

@@ -108,8 +108,16 @@ def train_step(state, batches, args):
     for chunk in state.model:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
+    losses_reduced = _run_schedule(state, batches, args, forward_only=False)
+    update_successful, grad_norm, _ = state.optimizer.step()
+    state.scheduler.step(increment=args.global_batch_size)
+    return _mean_loss(losses_reduced), grad_norm, update_successful
+
+
+def _run_schedule(state, batches, args, forward_only: bool):
+    """megatron's pipeline schedule over the micro-batches of one global batch."""
     iterators = [iter(batches) for _ in state.model]
-    losses_reduced = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=_forward_step,
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=state.model,
@@ -117,11 +125,8 @@ def train_step(state, batches, args):
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length,
-        forward_only=False,
+        forward_only=forward_only,
     )
-    update_successful, grad_norm, _ = state.optimizer.step()
-    state.scheduler.step(increment=args.global_batch_size)
-    return _mean_loss(losses_reduced), grad_norm, update_successful
 
 
 def evaluate(args, state, dataset, iteration) -> float:
@@ -139,13 +144,7 @@ def evaluate(args, state, dataset, iteration) -> float:
         for k in range(args.eval_iters):
             batches = microbatches(dataset, first + k * gbs, gbs, args.micro_batch_size,
                                    parallel_state.get_data_parallel_rank(), dp)
-            iterators = [iter(batches) for _ in state.model]
-            total += _mean_loss(get_forward_backward_func()(
-                forward_step_func=_forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=state.model, num_microbatches=len(batches), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                forward_only=True))
+            total += _mean_loss(_run_schedule(state, batches, args, forward_only=True))
     for chunk in state.model:
         chunk.train()
     return total / args.eval_iters
@@ -219,12 +218,10 @@ def elastic_layout(args, world_size: int) -> None:
     the same checkpoint; the layout is the pure policy of megatron_ucp.elastic.
     """
     from megatron_ucp import elastic
-    from megatron_ucp.collective import run_everywhere
+    from megatron_ucp.collective import on_rank_zero
 
     rank = dist.get_rank()
-    found = [run_everywhere(lambda: checkpointing.latest_checkpoint(args) if rank == 0 else None)]
-    dist.broadcast_object_list(found, src=0)
-    found = found[0]
+    found = on_rank_zero(checkpointing.latest_checkpoint, args)
     choice = elastic.choose_layout(world_size, elastic.dims_from_args(args),
                                    elastic.layout_from_args(args),
                                    elastic.Batch(args.micro_batch_size, args.global_batch_size))
