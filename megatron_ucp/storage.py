@@ -272,10 +272,6 @@ def read_bounded(path, what: str, max_bytes: int, root=None) -> bytes:
     return b"".join(chunks)
 
 
-def _open_for_read(path, what="tensor file") -> int:
-    return open_regular(path, what)
-
-
 def _vector_io(write: bool, fd: int, views: list, offset: int) -> tuple[int, int]:
     """Transfer byte views to/from consecutive file bytes from `offset`, resuming after short
     transfers; stops early only at end of file (reads). Returns (bytes moved, syscalls)."""
@@ -464,7 +460,7 @@ def read_runs(path, layout: TensorFileLayout, name: str, runs, out: np.ndarray,
         raise LayoutError(f"{where}: output array must be C-contiguous and writeable")
     groups = _plan(runs, 0, layout.numel(name), out.size, False, where)
     raw, isz, base = memoryview(out.reshape(-1).view(np.uint8)), layout.itemsize(name), layout.data_offset(name)
-    fd = _open_for_read(path)
+    fd = open_regular(path, "tensor file")
     total = calls = 0
     try:
         for fstart, parts in groups:
@@ -527,7 +523,7 @@ def read_header(path, max_header_bytes: int = MAX_HEADER_BYTES) -> TensorFileLay
     allocated. Bad structure -> FormatError; a self-consistent header describing more data than
     the file holds -> IntegrityError (truncated file). Entries come back in data-offset order.
     """
-    fd = _open_for_read(path)
+    fd = open_regular(path, "tensor file")
     try:
         size = os.fstat(fd).st_size
         if size < 8:
@@ -603,7 +599,7 @@ def block_checksums(path, start: int, stop: int, block_bytes: int = BLOCK_BYTES)
     block-aligned pieces and concatenate the lists.
     """
     _check_span(start, stop, block_bytes)
-    fd = _open_for_read(path)
+    fd = open_regular(path, "tensor file")
     try:
         return [crc for _, _, _, crc in _crc_blocks(fd, path, start, stop, block_bytes)]
     finally:
@@ -612,7 +608,7 @@ def block_checksums(path, start: int, stop: int, block_bytes: int = BLOCK_BYTES)
 
 def crc_spans(path, spans) -> list[int]:
     """crc32 of each file byte range [lo, hi) of `spans`; a range past the end raises."""
-    fd = _open_for_read(path)
+    fd = open_regular(path, "tensor file")
     try:
         buf = memoryview(bytearray(max((hi - lo for lo, hi in spans), default=0)))
         return [crc32(_read_exact(fd, hi - lo, lo, path, "bytes to hash", buf)) for lo, hi in spans]
@@ -630,7 +626,7 @@ def verify_range(path, start: int, stop: int, checksums, block_bytes: int = BLOC
     _check_span(start, stop, block_bytes)
     if start == stop:
         return
-    fd = _open_for_read(path)
+    fd = open_regular(path, "tensor file")
     try:
         if end is None:
             end = os.fstat(fd).st_size
