@@ -9,7 +9,8 @@ What maps a checkpoint key to an atomic tensor is megatron itself: the model is 
 checkpoint's stored arguments on the meta device (no memory), in a single-process layout
 (TP = PP = EP = 1), where every parameter is whole. Its `sharded_state_dict()` gives each
 parameter's checkpoint key and global offset (stacked layers, experts, SwiGLU halves), and
-model_map gives the atomic name and layout rule, the same ones a direct universal save uses.
+model_map gives the atomic name, the same one a direct universal save uses; how the source
+layout split each tensor over TP is read from the chunks the checkpoint saved (_source_rule).
 
 Optimizer state, by megatron-core's distributed-optimizer sharding:
 - none (plain optimizer) and `fully_reshardable`: `optimizer.state.<state>.<model key>`, in the
@@ -36,7 +37,7 @@ import numpy as np
 from megatron_ucp import manifest as mf
 from megatron_ucp import storage, stream_write
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
-from megatron_ucp.layout import PADDING, Rule, layer_offset, local_shape, pieces
+from megatron_ucp.layout import PADDING, Rule, infer_rule, layer_offset, local_shape, pieces
 from megatron_ucp.optimizer_state import plain_groups, saved_steps
 
 DIST_PREFIX = "optimizer.distributed.dp_group_idx_"
@@ -318,6 +319,20 @@ def _boxes(name: str, tensor, sharded, reader: DcpReader) -> List[Box]:
     return boxes
 
 
+def _source_rule(reader: DcpReader, t, boxes: List[Box]) -> Rule:
+    """How the source layout split the tensor over tensor parallelism: the shape of the chunk
+    the checkpoint saved where the tensor starts, against the tensor's (layout.infer_rule)."""
+    b = boxes[0]
+    n = len(b.sizes) - len(t.atomic_shape)
+    for c in reader.tensor(b.key).chunks:
+        if all(o <= x < o + size for o, size, x in zip(c.offsets, c.sizes, b.offsets)):
+            if any(size != 1 for size in c.sizes[:n]):
+                raise LayoutError(f"{reader.dir}: {b.key!r}: a chunk spans several layers or experts "
+                                  f"({list(c.sizes[:n])}); not streamed, convert with --via-megatron")
+            return infer_rule(t.atomic_shape, tuple(c.sizes[n:]), len(boxes) > 1, t.padded_rows is not None)
+    raise IncompleteCheckpointError(f"{reader.dir}: no saved chunk of {b.key!r} at {list(b.offsets)} ({t.name})")
+
+
 def _optimizer_parts(common: dict) -> list:
     """The common part of each optimizer: one, or one per chained optimizer (MoE: dense, experts)."""
     opt = common.get("optimizer")
@@ -385,9 +400,9 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
         if t.write_back:
             raise LayoutError(f"{t.name}: legacy grouped-GEMM experts are not streamed; convert with --via-megatron")
         states = ("param",) if t.stateless else mf.STATES
-        padded_rows = t.padded_rows if t.rule.kind == "vocab" else None
-        entry = Atomic(t.name, t.rule, tuple(t.atomic_shape), padded_rows, states, t.stateless,
-                       _boxes(t.name, t.param, sharded.get(id(t.param)), reader))
+        boxes = _boxes(t.name, t.param, sharded.get(id(t.param)), reader)
+        entry = Atomic(t.name, _source_rule(reader, t, boxes), tuple(t.atomic_shape), t.padded_rows, states,
+                       t.stateless, boxes)
         if sharding != "dp_reshardable" and not t.stateless:
             entry.prefixes = _model_space_prefixes(reader, entry, holders)
         atomics[t.name] = entry
@@ -468,7 +483,7 @@ def _bucket_key(reader: DcpReader, prefix: str, group: int, gbuf: int, bucket: i
     return found[0]
 
 
-_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.experts\.(\d+)\.")
 
 
 @dataclass
@@ -545,7 +560,8 @@ def _map_buckets(reader: DcpReader, source, world: int, tensors, atomics: dict, 
                         continue
                     if expert and int(expert.group(1)) // num_local != ep_rank:
                         continue
-                    numel = math.prod(local_shape(t.rule, t.atomic_shape, d.tp, t.padded_rows))
+                    entry = atomics[t.name]
+                    numel = math.prod(local_shape(entry.rule, entry.shape, d.tp, entry.padded_rows))
                     items.append((t.name, numel, tied and t.name == EMBEDDING and not post))
                 if tied and post and not pre and d.members != "experts":  # the tied embedding's last-stage copy
                     emb = atomics[EMBEDDING]
@@ -698,7 +714,7 @@ def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: 
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, extra_argv, nproc)
     reader = DcpReader(iter_dir)
-    metas = {n: stream_write.tensor_meta(n, e.shape, e.rule, e.padding_rows, e.states, e.buffer)
+    metas = {n: stream_write.tensor_meta(n, e.shape, e.padded_rows is not None, e.padding_rows, e.states, e.buffer)
              for n, e in plan.atomics.items()}
 
     def opener(name):

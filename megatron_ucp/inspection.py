@@ -40,9 +40,8 @@ def describe(path: str) -> dict:
     rows = []
     for name in sorted(m["tensors"]):
         e = m["tensors"][name]
-        rule = e.get("rule") or {}
-        rows.append({"name": name, "shape": list(e["shape"]), "rule": rule.get("kind"),
-                     "dim": rule.get("dim", 0), "padding_rows": e["padding_rows"],
+        rows.append({"name": name, "shape": list(e["shape"]), "vocab": bool(e.get("vocab")),
+                     "padding_rows": e["padding_rows"],
                      "states": list(e["states"]), "bytes": _file_bytes(e)})
     return {
         "path": directory, "format": m["format"], "version": m["version"],
@@ -75,9 +74,8 @@ def format_table(desc: dict) -> str:
         f"tensors      {desc['num_tensors']} files, {desc['total_bytes']} bytes ({_human(desc['total_bytes'])})",
         "",
     ]
-    cols = ["name", "shape", "rule", "padding", "states", "bytes"]
-    body = [[r["name"], "x".join(map(str, r["shape"])) or "scalar",
-             r["rule"] if r["rule"] == "replicated" else f"{r['rule']}:{r['dim']}",
+    cols = ["name", "shape", "rows", "padding", "states", "bytes"]
+    body = [[r["name"], "x".join(map(str, r["shape"])) or "scalar", "vocab" if r["vocab"] else "-",
              str(r["padding_rows"]), ",".join(r["states"]), str(r["bytes"])] for r in desc["tensors"]]
     widths = [max(len(x) for x in col) for col in zip(cols, *body)]
     right = {3, 5}

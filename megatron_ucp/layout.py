@@ -142,6 +142,95 @@ def pieces(rule: Rule, atomic_shape, tp: int, tp_rank: int, padded_rows: Optiona
     return out
 
 
+@dataclass(frozen=True)
+class Box:
+    """Local flat elements [local_start, local_start + numel) hold `box` (offset, shape) of a
+    global tensor, the padded one for vocabulary tensors: one megatron ShardedTensor."""
+
+    local_start: int
+    offset: Tuple[int, ...]
+    shape: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+def box_pieces(boxes, atomic_shape, padded_rows: Optional[int] = None,
+               padding_rows_held: Optional[int] = None) -> List[Piece]:
+    """The pieces of a local tensor described by its boxes, in local order.
+
+    Without `padded_rows` each box is one piece of the atomic tensor. A vocabulary tensor's
+    boxes are rows of the padded vocabulary: rows below the true vocabulary (atomic_shape[0])
+    belong to the tensor, the next `padding_rows_held` (default: all) to its padding part, any
+    further rows to no piece (on load they start at zero).
+    """
+    atomic_shape = tuple(atomic_shape)
+    if padded_rows is None:
+        for b in boxes:
+            _check_box(b, atomic_shape)
+        return [Piece(b.local_start, MAIN, tuple(b.offset), tuple(b.shape))
+                for b in sorted(boxes, key=lambda b: b.local_start)]
+    vocab = atomic_shape[0]
+    held = padded_rows - vocab if padding_rows_held is None else padding_rows_held
+    rest = atomic_shape[1:]
+    stride = _row_stride(atomic_shape)
+    out = []
+    for b in sorted(boxes, key=lambda b: b.local_start):
+        _check_box(b, (padded_rows,) + rest)
+        if any(b.offset[1:]) or tuple(b.shape[1:]) != rest:
+            raise LayoutError(f"a vocabulary box must hold whole rows, got offset {b.offset} shape {b.shape} "
+                              f"of {(padded_rows,) + rest}")
+        first, last = b.offset[0], b.offset[0] + b.shape[0]
+        zeros = (0,) * len(rest)
+        if first < min(last, vocab):
+            out.append(Piece(b.local_start, MAIN, (first,) + zeros, (min(last, vocab) - first,) + rest))
+        pad_start, pad_end = max(first, vocab), min(last, vocab + held)
+        if pad_start < pad_end:
+            out.append(Piece(b.local_start + (pad_start - first) * stride, PADDING,
+                             (pad_start - vocab,) + zeros, (pad_end - pad_start,) + rest))
+    return out
+
+
+def _check_box(b: Box, shape) -> None:
+    if len(b.offset) != len(shape) or len(b.shape) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(b.offset, b.shape, shape)):
+        raise LayoutError(f"box offset {tuple(b.offset)} shape {tuple(b.shape)} outside tensor {tuple(shape)}")
+
+
+def boxes_of(rule: Rule, atomic_shape, tp: int, tp_rank: int, padded_rows: Optional[int] = None) -> List[Box]:
+    """The boxes megatron gives rank `tp_rank` under `rule` (the rules are the oracle of the
+    mapping from megatron's sharded state dict, and describe converted source layouts)."""
+    if rule.kind != "vocab":
+        return [Box(p.local_start, p.offset, p.shape) for p in pieces(rule, atomic_shape, tp, tp_rank)]
+    loc = local_shape(rule, atomic_shape, tp, padded_rows)
+    return [Box(0, (tp_rank * loc[0],) + (0,) * (len(loc) - 1), tuple(loc))]
+
+
+def infer_rule(atomic_shape, part_shape, halves: bool, vocab: bool) -> Rule:
+    """The tensor-parallel rule of a source layout whose ranks hold `part_shape` of a tensor:
+    the rank's local tensor, or one chunk a torch_dist checkpoint saved of it. `halves`: megatron
+    packs two halves in the parameter (SwiGLU fc1: two boxes at TP 1); `vocab`: it pads the
+    vocabulary. A converter reads the geometry of a layout it does not run this way, from what
+    megatron's description of the model (at TP 1) and the saved shapes say."""
+    if vocab:
+        return Rule("vocab")
+    atomic_shape, part_shape = tuple(atomic_shape), tuple(part_shape)
+    if len(atomic_shape) != len(part_shape):
+        raise LayoutError(f"a part of shape {list(part_shape)} of a tensor of shape {list(atomic_shape)}")
+    cut = [d for d, (a, p) in enumerate(zip(atomic_shape, part_shape)) if a != p]
+    if not cut:
+        return Rule("replicated")
+    if len(cut) > 1 or part_shape[cut[0]] > atomic_shape[cut[0]] or atomic_shape[cut[0]] % part_shape[cut[0]]:
+        raise LayoutError(f"a part of shape {list(part_shape)} does not evenly split one dimension of a tensor "
+                          f"of shape {list(atomic_shape)}")
+    if halves:
+        if cut != [0]:
+            raise LayoutError(f"a packed (SwiGLU) tensor of shape {list(atomic_shape)} split along dim {cut[0]}")
+        return Rule("gated")
+    return Rule("split", cut[0])
+
+
 def padding_shape(atomic_shape, padding_rows: int) -> tuple:
     return (padding_rows,) + tuple(atomic_shape[1:])
 

@@ -1,9 +1,11 @@
 """Convert Megatron-LM's legacy per-rank `torch` checkpoint into a universal one, streaming.
 
-No GPU, no process group, no megatron model: each `mp_rank_TT[_PPP]/model_optim_rng.pt` holds
-whole TP-local tensors (and `distrib_optim.pt` the distributed optimizer's state gathered over
-data parallelism), so every atomic tensor is assembled from the TP ranks' files of one pipeline
-stage through the project's layout rules (`layout.pieces`) and written once. Files are opened
+No GPU and no process group: each `mp_rank_TT[_PPP]/model_optim_rng.pt` holds whole TP-local
+tensors (and `distrib_optim.pt` the distributed optimizer's state gathered over data
+parallelism), so every atomic tensor is assembled from the TP ranks' files of one pipeline stage
+and written once. Its name, packed halves and vocabulary rows are megatron's description of the
+model (model_map, on a meta-device model built from the stored arguments); how the source split
+it over TP follows from the saved local shapes (`layout.infer_rule`). Files are opened
 with `torch.load(mmap=True)` for each atomic tensor and closed after it, so memory holds a few
 atomic tensors, not the checkpoint. `workers` processes convert tensors in parallel.
 
@@ -36,6 +38,7 @@ from megatron_ucp.layout import (
     PADDING,
     Rule,
     atomic_shape_from_local,
+    infer_rule,
     layer_offset,
     local_shape,
     pieces,
@@ -73,28 +76,28 @@ def parse_rank_dir(name: str):
     return int(m.group(1)), int(m.group(2) or 0)
 
 
-def rule_for_name(local_name: str, gated: bool) -> Rule:
-    """Megatron-core GPT's tensor-parallel layout of a parameter, from its name (local spec and
-    TE spec names); the same rules model_map reads from the parameters' attributes."""
-    if local_name in (EMBEDDING, OUTPUT):
-        return Rule("vocab")
-    if re.search(r"(^|\.)linear_qkv\.(weight|bias)$", local_name):
-        return Rule("split", 0)
-    if re.search(r"(^|\.)linear_fc1\.(weight|bias)$", local_name):
-        return Rule("gated") if gated else Rule("split", 0)
-    if re.search(r"(^|\.)(linear_proj|linear_fc2)\.weight$", local_name):
-        return Rule("split", 1)
-    if (re.search(r"(^|\.)(linear_proj|linear_fc2)\.bias$", local_name)
-            or re.search(r"(layernorm|layer_norm)(_weight|_bias|\.weight|\.bias)$", local_name)
-            or local_name == "embedding.position_embeddings.weight"):
-        return Rule("replicated")
-    raise LayoutError(f"parameter {local_name!r}: unknown to the legacy converter, cannot tell how "
-                      "tensor parallelism splits it")
+def model_geometry(a: dict, world: int, vocab: int, padded: int) -> dict:
+    """Module name in the whole model (global layer numbers) -> megatron's description of that
+    parameter (model_map): its atomic name, shape, packed halves and vocabulary rows. The model
+    is built from the checkpoint's arguments on the meta device, in one process (TP = PP = 1);
+    how the source layout split each tensor follows from the saved local shapes (infer_rule)."""
+    from megatron_ucp.convert import argv_from_args
+    from megatron_ucp.dist_convert import _meta_model, _single_process_megatron
+    from megatron_ucp.model_map import geometry
+    from megatron_ucp.train.args import build_parser, validate
+
+    source = build_parser().parse_args(argv_from_args(a) + ["--cpu"])
+    validate(source, world)
+    with _single_process_megatron():
+        gpt = _meta_model(source, padded)
+        found = {id(g.tensor): g for g in geometry(gpt, vocab)}
+        return {n: found[id(p)] for n, p in gpt.named_parameters() if id(p) in found}
 
 
 def global_name(local_name: str, num_layers: int, pp: int, pp_rank: int, vpp: int | None,
                 vp_stage: int | None, layers_in_chunk: int) -> str:
-    """Local layer index of (pp_rank, vp_stage) -> global layer number, as model_map names them."""
+    """Local layer index of (pp_rank, vp_stage) -> global layer number (the whole model's
+    module name)."""
     m = _LAYER.match(local_name)
     if not m:
         return local_name
@@ -295,9 +298,9 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
         raise ConfigError(f"{iter_dir}: the distributed optimizer's default bucket size depends on the "
                           "data-parallel size, which the stored args lack; pass --data-parallel-size "
                           "or --ddp-bucket-size after '--'")
-    gated = bool(a.get("swiglu"))
     tied = not a.get("untie_embeddings_and_output_weights")
     vocab = int(a["vocab_size"])
+    described = None  # megatron's description of the model, once the padded vocabulary is known
     num_layers = int(a["num_layers"])
     bucket_size = None
     if a.get("overlap_grad_reduce"):
@@ -333,12 +336,21 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
             for n, shape in params:
                 if n == OUTPUT and tied:
                     continue  # the last stage's copy of the tied embedding
-                rule = rule_for_name(n, gated)
-                gname = global_name(n, num_layers, pp, pp_rank, vpp, vp_stage, len(layers))
+                if described is None:
+                    padded = _padded_vocab(sd, chunk_keys, tp, path)
+                    if padded < vocab:
+                        raise LayoutError(f"{path}: {padded} vocabulary rows over TP {tp}, fewer than --vocab-size "
+                                          f"{vocab}")
+                    described = model_geometry(a, tp * pp * int(dp or 1), vocab, padded)
+                where = global_name(n, num_layers, pp, pp_rank, vpp, vp_stage, len(layers))
+                g = described.get(where)
+                if g is None:
+                    raise LayoutError(f"{path}: {n} ({where}): the model built from the stored arguments has no "
+                                      "such parameter")
+                rule = infer_rule(g.atomic_shape, shape, len(g.boxes) > 1, g.padded_rows is not None)
                 padded = shape[0] * tp if rule.kind == "vocab" else None
                 atomic_shape = atomic_shape_from_local(rule, shape, tp, vocab)
-                if rule.kind == "vocab" and padded < vocab:
-                    raise LayoutError(f"{path}: {n} has {padded} rows over TP {tp}, fewer than --vocab-size {vocab}")
+                gname = g.name
                 entry = atomics.setdefault(gname, Atomic(gname, rule, atomic_shape,
                                                          (padded - vocab) if padded else 0, shape))
                 if entry.shape != atomic_shape or entry.local_shape != shape:
@@ -367,6 +379,16 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
     rng = _rng_states(rank_dirs, tp, int(dp), first) if dp else {}
     return Plan(int(first["iteration"]), a, tp, pp, vpp, int(dp) if dp else None, dist_opt, atomics, int(step or 0),
                 param_groups, scheduler, int(consumed), rng)
+
+
+def _padded_vocab(sd, chunk_keys, tp: int, path: str) -> int:
+    """The padded vocabulary: TP x the rows of a rank's word embedding or output layer."""
+    for key in chunk_keys:
+        for name in (EMBEDDING, OUTPUT):
+            t = sd[key].get(name)
+            if t is not None and hasattr(t, "shape"):
+                return int(t.shape[0]) * tp
+    raise FormatError(f"{path}: neither {EMBEDDING} nor {OUTPUT} in the first rank's model")
 
 
 def _optimizer_indices(sd, path, chunk_params, dist_opt) -> dict:
@@ -534,7 +556,7 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
     """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, overrides)
-    metas = {n: stream_write.tensor_meta(n, e.shape, e.rule, e.padding_rows, mf.STATES)
+    metas = {n: stream_write.tensor_meta(n, e.shape, e.rule.kind == "vocab", e.padding_rows, mf.STATES)
              for n, e in plan.atomics.items()}
 
     def opener(name):
@@ -561,7 +583,7 @@ def _manifest(plan: Plan, entries: dict) -> dict:
         "expert_tensor_parallel_size": plan.tp, "use_distributed_optimizer": plan.dist_opt,
     }
     for e in entries.values():
-        if e["rule"]["kind"] == "vocab":
+        if e.get("vocab"):
             layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
     return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": plan.iteration,

@@ -18,7 +18,7 @@ from megatron_ucp import manifest as mf
 from megatron_ucp import checksums, host_memory, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
-from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
+from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
 from megatron_ucp.model_map import local_tensors
 from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, write_step
 
@@ -44,8 +44,7 @@ def _file_runs(entry, t, state, start, stop):
     """The reads that fill local flat elements [start, stop) of `state`: (file tensor name,
     [(file element, element from start, length)]) per held region, and whether they cover
     every element (they do not where the checkpoint lacks rows: new vocabulary padding)."""
-    held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
-                  entry["padding_rows"] if t.rule.kind == "vocab" else None)
+    held = t.pieces(entry["padding_rows"] if t.padded_rows is not None else None)
     regions = fragment_regions(held, start, stop)
     part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
     reads = []

@@ -14,7 +14,7 @@ from megatron_ucp.layout import PADDING, Rule, padding_shape
 from megatron_ucp.storage import MAX_MANIFEST_BYTES, TensorFileLayout, read_json
 
 FORMAT_NAME = "megatron-ucp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: atomic names are megatron's checkpoint keys; 1 is read too (format_v1.py)
 MANIFEST = "ucp.json"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -252,6 +252,7 @@ def read_manifest(directory: str) -> dict:
     _need(m.get("format") == FORMAT_NAME, path, f"'format' is {m.get('format')!r}, expected {FORMAT_NAME!r}")
     version = m.get("version")
     _need(isinstance(version, int), path, f"'version' is {version!r}, expected an integer")
+    _need(version >= 1, path, f"'version' is {version}, expected 1..{FORMAT_VERSION}")
     _need(version <= FORMAT_VERSION, path,
           f"format version {version} is newer than this megatron-ucp reads ({FORMAT_VERSION}); upgrade megatron-ucp")
     for key, kind in (("iteration", int), ("consumed_samples", int), ("tensors", dict),
@@ -273,10 +274,20 @@ def read_manifest(directory: str) -> dict:
         states = entry.get("states")
         _need(isinstance(states, list) and states and all(s in STATES for s in states), path,
               f"{where}: bad states {states!r}")
+        if version == 1:
+            try:
+                Rule.from_json(entry.get("rule") or {})
+            except (KeyError, LayoutError, TypeError, ValueError) as e:
+                raise FormatError(f"{path}: {where}: bad rule {entry.get('rule')!r} ({e})") from None
+        else:
+            _need(isinstance(entry.get("vocab", False), bool), path, f"{where}: 'vocab' is not true or false")
+    if version == 1:
+        from megatron_ucp.format_v1 import upgrade_tensors
+
         try:
-            Rule.from_json(entry.get("rule") or {})
-        except (KeyError, LayoutError, TypeError, ValueError) as e:
-            raise FormatError(f"{path}: {where}: bad rule {entry.get('rule')!r} ({e})") from None
+            m["tensors"] = upgrade_tensors(tensors)
+        except ValueError as e:
+            raise FormatError(f"{path}: version 1: {e}") from None
     return m
 
 

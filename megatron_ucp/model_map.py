@@ -1,47 +1,60 @@
-"""Megatron glue: name every local parameter as an atomic tensor and find its optimizer state.
+"""The one mapping from a megatron-core model to atomic tensors: megatron's sharded_state_dict.
 
-This is the only module that knows megatron-core's parameter names and attributes (the
-optimizer's side is optimizer_state.py). It turns (model chunks, optimizer) into a list of
-`LocalTensor`s: for each parameter this rank holds, the atomic tensor it belongs to, its layout
-rule and TP coordinates, and the contiguous fragment of its flattened local tensor whose fp32
-master weight and Adam moments live on this rank (the whole tensor without the distributed
-optimizer).
+megatron-core describes every tensor it checkpoints, for its own `torch_dist` format, on every
+spec it builds (transformer-engine or local, MLA, MTP, uneven pipelines, experts): a
+`ShardedTensor` with a key, the global shape, where this rank's data sits in it, axes prepended
+for stacked layers and experts, `allow_shape_mismatch` on the padded vocabulary. This module
+reads that description, once per model (it does not change between saves), and turns each
+parameter and persistent buffer this rank holds into a `LocalTensor`:
+
+- name: megatron's key with the prepended coordinates made global, spelled as megatron spells
+  them itself with `singleton_local_shards` (`decoder.layers.<L>.`, `experts.experts.<E>.`);
+  the two SwiGLU halves it splits one parameter into stay one atomic tensor;
+- boxes: where each ShardedTensor's data sits in the parameter (its storage offset) and which
+  box of the global tensor it holds; the true vocabulary rows are the atomic tensor, the
+  padding rows its second part (layout.box_pieces);
+- fragment: the distributed optimizer's share, from its own range map (optimizer_state.py).
+
+Two names of one tensor are made one: the local spec keeps a MoE layer's pre-MLP norm under
+`mlp.linear_fc1.layer_norm_*` (its keys map), transformer-engine's spec under
+`pre_mlp_layernorm.*`; the atomic name is the latter (docs/FORMAT.md).
 """
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
 
 from megatron_ucp.errors import LayoutError
-from megatron_ucp.layout import Rule, atomic_shape_from_local, layer_offset
+from megatron_ucp.layout import Box, Rule, atomic_shape_from_local, box_pieces, boxes_of
 from megatron_ucp.optimizer_state import Fragment, fragments as optimizer_fragments
 
-EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT = "output_layer.weight"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-# transformer-engine's grouped GEMM keeps one parameter per local expert: weight0, weight1, ...
-_TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
-# megatron's legacy GroupedMLP fuses all local experts, transposed, in one tensor.
-_LEGACY_GROUPED = re.compile(r"^mlp\.experts\.weight([12])$")
+_SWIGLU_HALF = re.compile(r"_[wv]$")  # megatron's singleton spelling of the two SwiGLU halves
+_MOE_NORM = re.compile(r"^(.*\.)mlp\.linear_fc1\.layer_norm_(weight|bias)$")
 
 
 @dataclass
 class LocalTensor:
     name: str  # atomic tensor name (global layer number, global expert id)
-    param: torch.nn.Parameter
-    rule: Rule
-    tp: int
-    tp_rank: int
+    param: torch.Tensor  # the parameter (or persistent buffer) this rank holds
     atomic_shape: tuple
-    padded_rows: Optional[int]
-    writes: bool  # False for the tied output-layer copy of the embedding
+    boxes: Tuple[Box, ...]  # which parts of the global (padded) tensor it holds, and where
+    padded_rows: Optional[int]  # vocabulary tensors: rows with padding; else None
+    writes: bool  # False for a copy of a tensor another stage owns (the tied output layer)
     fragment: Optional[Fragment]
     stateless: bool = False  # a persistent buffer (e.g. the router's expert bias): no optimizer state
     write_back: Optional[list] = None  # (canonical copy, model tensor) pairs to copy back after a load
+
+    def pieces(self, padding_rows_held: Optional[int] = None):
+        """Its pieces of the atomic tensor (and of the vocabulary padding, `padding_rows_held`
+        rows of it on load)."""
+        return box_pieces(self.boxes, self.atomic_shape, self.padded_rows, padding_rows_held)
+
+    @property
+    def padding_rows(self) -> int:
+        return self.padded_rows - self.atomic_shape[0] if self.padded_rows is not None else 0
 
     def apply_write_back(self) -> None:
         for canonical, target in self.write_back or ():
@@ -49,122 +62,180 @@ class LocalTensor:
                 target.copy_(canonical.t())
 
 
-def _expert_rule(name: str, gated: bool) -> Rule:
-    """Routed experts are column (fc1) / row (fc2) parallel over expert-TP, by name: grouped
-    layouts do their own communication and do not mark their parameters."""
-    if re.search(r"\.linear_fc1\.(weight|bias)$", name):
-        return Rule("gated") if gated else Rule("split", 0)
-    if name.endswith(".linear_fc2.weight"):
-        return Rule("split", 1)
-    return Rule("replicated")
+@dataclass(frozen=True)
+class _Geometry:
+    """What the mapping knows of one model tensor: layout-dependent, fixed for a model."""
+
+    name: str
+    tensor: torch.Tensor
+    atomic_shape: tuple
+    boxes: Tuple[Box, ...]
+    padded_rows: Optional[int]
+    writes: bool
+    stateless: bool
 
 
-def _rule_for(local_name: str, param, gated: bool) -> Rule:
-    if local_name in (EMBEDDING, OUTPUT):
-        return Rule("vocab")
-    if _is_expert(local_name):
-        return _expert_rule(local_name, gated)
-    if not getattr(param, "tensor_model_parallel", False):
-        return Rule("replicated")
-    dim = int(getattr(param, "partition_dim", 0))
-    if gated and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", local_name) and dim == 0:
-        return Rule("gated")
-    return Rule("split", dim)
+def _sharded_tensors(gpt, metadata) -> Dict[int, tuple]:
+    """id(tensor) -> (the model's tensor, its ShardedTensors), factories built."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out: dict = {}
+    for v in nested_values(gpt.sharded_state_dict(metadata=metadata)):
+        if isinstance(v, ShardedTensorFactory):
+            built = v.build()
+            found = [built] if isinstance(built, ShardedTensor) else [
+                t for t in nested_values(built) if isinstance(t, ShardedTensor)]
+        elif isinstance(v, ShardedTensor):
+            found = [v]
+        else:
+            continue
+        out.setdefault(id(v.data), (v.data, []))[1].extend(found)
+    return out
 
 
-def _is_expert(local_name: str) -> bool:
-    """Routed-expert params (not shared experts) are sharded over the expert-TP group.
-
-    By name: megatron's `allreduce=False` marker is only set when expert parallelism is on.
-    """
-    return ".mlp.experts." in local_name
-
-
-def _tp_coords(local_name: str):
-    if _is_expert(local_name):
-        return (parallel_state.get_expert_tensor_parallel_world_size(),
-                parallel_state.get_expert_tensor_parallel_rank())
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank())
+def _global_name(default_key: str, singleton: list, where: str) -> str:
+    """The one name megatron's singleton spelling gives a tensor (its SwiGLU halves' `_w` and
+    `_v` suffixes dropped)."""
+    names = {(_SWIGLU_HALF.sub("", st.key) if not _SWIGLU_HALF.search(default_key) else st.key)
+             for st in singleton}
+    if len(names) != 1:
+        raise LayoutError(f"{where}: megatron names it {sorted(names)} with global numbering; one name expected")
+    return names.pop()
 
 
-def expert_name(rest: str, num_local: int, ep_rank: int) -> Optional[str]:
-    """The layout-free name of a routed-expert parameter (`rest` is the name inside its layer).
-
-    Sequential experts (`local_experts.<i>`) and transformer-engine's grouped experts
-    (`linear_fc1.weight<i>`) both map to `mlp.experts.local_experts.<global id>.<...>`; the
-    global id is ep_rank x num_local + i. Returns None for any other name.
-    """
-    e = _EXPERT.match(rest)
-    if e:
-        local, tail = int(e.group(1)), e.group(2)
-    else:
-        g = _TE_GROUPED.match(rest)
-        if not g:
-            return None
-        local, tail = int(g.group(3)), f"{g.group(1)}.{g.group(2)}"
-    if not 0 <= local < num_local:
-        raise LayoutError(f"{rest}: local expert {local} outside 0..{num_local - 1}")
-    return f"mlp.experts.local_experts.{ep_rank * num_local + local}.{tail}"
-
-
-def _global_layer(gpt, local_name: str, vp_stage: Optional[int], pp_rank: int, pp: int,
-                  vpp: Optional[int]):
-    """(global layer index, the rest of the name, the layer module), or None outside layers."""
-    m = _LAYER.match(local_name)
-    if not m:
-        return None
-    local_index, rest = int(m.group(1)), m.group(2)
-    layer = gpt.decoder.layers[local_index]
-    global_index = layer.layer_number - 1
-    expected = layer_offset(gpt.config.num_layers, pp, pp_rank, vpp, vp_stage) + local_index
-    if global_index != expected:
-        raise LayoutError(
-            f"{local_name}: megatron numbers this layer {global_index}, the even pipeline split "
-            f"gives {expected}; uneven pipeline splits are not supported"
-        )
-    return global_index, rest, layer
+def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
+    """Each ShardedTensor as a box of the global tensor at its offset in `tensor`'s elements;
+    together they must cover the tensor once."""
+    if not tensor.is_contiguous():
+        raise LayoutError(f"{where}: the model tensor is not contiguous")
+    boxes = []
+    for st in sharded:
+        data, n = st.data, st.prepend_axis_num
+        if getattr(st, "flattened_range", None) is not None or not data.is_contiguous():
+            raise LayoutError(f"{where}: megatron maps a non-contiguous part of it ({st.key!r}); universal "
+                              "checkpoints map contiguous parts only")
+        if data.device.type != "meta" and data.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            raise LayoutError(f"{where}: megatron's sharded tensor {st.key!r} is a copy, not a view of it")
+        start = data.storage_offset() - tensor.storage_offset()
+        if start < 0 or start + data.numel() > tensor.numel():
+            raise LayoutError(f"{where}: {st.key!r} lies outside it")
+        boxes.append(Box(start, tuple(st.global_offset[n:]), tuple(st.local_shape)))
+    covered = 0
+    for b in sorted(boxes, key=lambda b: b.local_start):
+        if b.local_start != covered:
+            raise LayoutError(f"{where}: megatron's sharded tensors cover its elements "
+                              f"{'twice' if b.local_start < covered else 'with a gap'} at {covered}")
+        covered += b.numel
+    if covered != tensor.numel():
+        raise LayoutError(f"{where}: megatron's sharded tensors cover {covered} of its {tensor.numel()} elements")
+    return tuple(boxes)
 
 
-def _global_name(gpt, local_name, vp_stage, pp_rank, pp, vpp) -> str:
-    """The atomic name: global layer number, global expert id, sequential-expert spelling."""
-    where = _global_layer(gpt, local_name, vp_stage, pp_rank, pp, vpp)
-    if where is None:
-        return local_name
-    global_index, rest, layer = where
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    if experts is not None:
-        rest = expert_name(rest, experts.num_local_experts,
-                           parallel_state.get_expert_model_parallel_rank()) or rest
-    return f"decoder.layers.{global_index}.{rest}"
+def _geometry(gpt, vocab_size: int, params: dict) -> List[_Geometry]:
+    """Every tensor megatron checkpoints for this model chunk, mapped (see module docstring)."""
+    default = _sharded_tensors(gpt, None)
+    singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
+    out = []
+    for key, (tensor, sharded) in default.items():
+        if key in _legacy_grouped_ids(gpt):
+            continue
+        first = sharded[0]
+        where = f"{first.key} ({tuple(tensor.shape)})"
+        if key not in singleton:
+            raise LayoutError(f"{where}: megatron names it only without global numbering")
+        if {st.key for st in sharded} != {first.key}:
+            raise LayoutError(f"{where}: megatron maps one tensor to several keys {sorted({st.key for st in sharded})}")
+        if not tensor.is_floating_point():
+            raise LayoutError(f"{where}: a {tensor.dtype} tensor; universal checkpoints hold floating-point tensors")
+        global_shape = tuple(first.global_shape[first.prepend_axis_num:])
+        if any(tuple(st.global_shape[st.prepend_axis_num:]) != global_shape for st in sharded):
+            raise LayoutError(f"{where}: its sharded tensors disagree on the global shape")
+        padded = None
+        atomic = global_shape
+        if first.allow_shape_mismatch:  # megatron's mark of the padded vocabulary
+            padded = global_shape[0]
+            if padded < vocab_size:
+                raise LayoutError(f"{where}: {padded} vocabulary rows, fewer than the vocabulary ({vocab_size})")
+            atomic = (vocab_size,) + global_shape[1:]
+        replica = first.replica_id
+        writes = (replica[0] if isinstance(replica, tuple) else 0) == 0  # 1: a copy of another stage's
+        out.append(_Geometry(_global_name(first.key, singleton[key][1], where), tensor, atomic,
+                             _boxes(tensor, sharded, where), padded, writes, key not in params))
+    names = {g.name for g in out}
+    return [_canonical(g, names) for g in out]
 
 
-def _persistent_buffers(gpt):
-    """Floating-point buffers that megatron saves with the model (e.g. the router's expert bias)."""
-    for module_name, module in gpt.named_modules():
-        for name, buf in module._buffers.items():
-            if (buf is not None and buf.is_floating_point()
-                    and name not in module._non_persistent_buffers_set):
-                yield f"{module_name}.{name}" if module_name else name, buf
+def _canonical(g: _Geometry, names: set) -> _Geometry:
+    """The local spec's name of a MoE layer's pre-MLP norm becomes transformer-engine's."""
+    m = _MOE_NORM.match(g.name)
+    if m and f"{m.group(1)}mlp.linear_fc1.weight" not in names:
+        return _Geometry(f"{m.group(1)}pre_mlp_layernorm.{m.group(2)}", g.tensor, g.atomic_shape, g.boxes,
+                         g.padded_rows, g.writes, g.stateless)
+    return g
 
 
-def _legacy_grouped(name, which: str, param, fragment, gated: bool, num_local: int) -> List["LocalTensor"]:
-    """Megatron's legacy GroupedMLP: `weight1` holds each local expert's fc1 as a contiguous,
-    transposed [hidden, fc1 rows] block (`weight2`: fc2 as [fc2 columns, hidden]). Each expert
-    becomes a LocalTensor over a transposed copy, copied back after a load. `name` is the global
-    name of `weight<which>`."""
-    prefix = name[: -len(f".weight{which}")]
+def _legacy_grouped_ids(gpt) -> set:
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    return {id(p) for m in gpt.modules() if isinstance(m, GroupedMLP) for p in (m.weight1, m.weight2)}
+
+
+def geometry(gpt, vocab_size: int) -> List[_Geometry]:
+    """The mapping of one model chunk, computed once: megatron's description of a model does
+    not change while it trains."""
+    cached = getattr(gpt, "_ucp_geometry", None)
+    if cached is not None and cached[0] == vocab_size:
+        return cached[1]
+    params = {id(p) for p in gpt.parameters()}
+    found = _geometry(gpt, vocab_size, params)
+    mapped = {id(g.tensor) for g in found} | _legacy_grouped_ids(gpt)
+    missing = [n for n, p in gpt.named_parameters() if id(p) not in mapped]
+    if missing:
+        raise LayoutError(f"megatron's sharded state dict does not describe parameters {missing[:5]}")
+    gpt.__dict__["_ucp_geometry"] = (vocab_size, found)
+    return found
+
+
+def _legacy_grouped(gpt, vocab_size, fragments) -> List[LocalTensor]:
+    """megatron's legacy GroupedMLP: its sharded state dict holds copies (transposed experts),
+    not views, so its geometry is the oracle's: `weight1` holds each local expert's fc1 as a
+    contiguous, transposed [hidden, fc1 rows] block (`weight2`: fc2 as [fc2 columns, hidden]).
+    Each expert becomes a LocalTensor over a transposed copy, copied back after a load; names
+    are megatron's (singleton spelling)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    ids = _legacy_grouped_ids(gpt)
+    if not ids:
+        return []
+    singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
+    gated = bool(gpt.config.gated_linear_unit)
+    out = []
+    for m in gpt.modules():
+        if not isinstance(m, GroupedMLP):
+            continue
+        for which, param in (("1", m.weight1), ("2", m.weight2)):
+            names = list(dict.fromkeys(_SWIGLU_HALF.sub("", st.key) for st in singleton[id(param)][1]))
+            out += legacy_grouped_tensors(names, which, param, fragments.get(param), gated, m.num_local_experts)
+    return out
+
+
+def legacy_grouped_tensors(names: List[str], which: str, param, fragment, gated: bool,
+                           num_local: int) -> List[LocalTensor]:
+    """One LocalTensor per local expert of a legacy grouped weight (`names`: theirs, in order)."""
+    if len(names) != num_local:
+        raise LayoutError(f"{names[:1]}: {len(names)} expert names for {num_local} local experts")
     if fragment is not None and (fragment.start, fragment.stop) != (0, param.numel()):
         raise LayoutError(
-            f"{name}: the distributed optimizer cuts megatron's legacy grouped-GEMM expert weights "
+            f"{names[0]}: the distributed optimizer cuts megatron's legacy grouped-GEMM expert weights "
             f"across transposed experts, which universal checkpoints do not map; use the "
             f"sequential or transformer-engine grouped experts (moe_use_legacy_grouped_gemm=False)")
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
     tp, tp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
                    parallel_state.get_expert_tensor_parallel_rank())
     hidden = param.shape[0] if which == "1" else param.shape[1]
+    rule = (Rule("gated") if gated else Rule("split", 0)) if which == "1" else Rule("split", 1)
     out = []
-    for i in range(num_local):
+    for i, name in enumerate(names):
         def block(flat):
             per = flat.numel() // num_local
             b = flat.view(-1)[i * per:(i + 1) * per]
@@ -186,11 +257,9 @@ def _legacy_grouped(name, which: str, param, fragment, gated: bool, num_local: i
                 moments.append(None if copy is None else copy.view(-1))
             frag = Fragment(0, canonical.numel(), main.view(-1), moments[0], moments[1],
                             fragment.main_is_model, fragment.store)
-        atomic_name = f"{prefix}.local_experts.{ep_rank * num_local + i}.linear_fc{which}.weight"
-        rule = _expert_rule(atomic_name, gated)
         atomic = atomic_shape_from_local(rule, tuple(canonical.shape), tp)
-        out.append(LocalTensor(atomic_name, canonical, rule, tp, tp_rank, atomic, None, True, frag,
-                               write_back=pairs))
+        out.append(LocalTensor(name, canonical, atomic, tuple(boxes_of(rule, atomic, tp, tp_rank)), None,
+                               True, frag, write_back=pairs))
     return out
 
 
@@ -200,35 +269,11 @@ def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = Fal
     from megatron_ucp.train.model import unwrap
 
     fragments = optimizer_fragments(optimizer, for_load) if optimizer is not None else {}
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     out = []
-    for stage, chunk in enumerate(model_chunks):
+    for chunk in model_chunks:
         gpt = unwrap(chunk)
-        vp_stage = stage if vpp else None
-        gated = bool(gpt.config.gated_linear_unit)
-        tied = bool(gpt.share_embeddings_and_output_weights)
-        for local_name, param in gpt.named_parameters():
-            name = _global_name(gpt, local_name, vp_stage, pp_rank, pp, vpp)
-            in_layer = _LAYER.match(local_name)
-            grouped = in_layer and _LEGACY_GROUPED.match(in_layer.group(2))
-            if grouped:
-                experts = gpt.decoder.layers[int(in_layer.group(1))].mlp.experts
-                out += _legacy_grouped(name, grouped.group(1), param, fragments.get(param), gated,
-                                       experts.num_local_experts)
-                continue
-            rule = _rule_for(name, param, gated)
-            tp, tp_rank = _tp_coords(name)
-            writes = True
-            if local_name == OUTPUT and tied:
-                name, writes = EMBEDDING, False  # the last stage's copy of the tied embedding
-            padded = param.shape[0] * tp if rule.kind == "vocab" else None
-            atomic = atomic_shape_from_local(rule, tuple(param.shape), tp, vocab_size)
-            out.append(LocalTensor(name, param, rule, tp, tp_rank, atomic, padded, writes,
-                                   fragments.get(param)))
-        for local_name, buf in _persistent_buffers(gpt):
-            name = _global_name(gpt, local_name, vp_stage, pp_rank, pp, vpp)
-            out.append(LocalTensor(name, buf, Rule("replicated"), 1, 0, tuple(buf.shape), None,
-                                   True, None, stateless=True))
+        for g in geometry(gpt, vocab_size):
+            out.append(LocalTensor(g.name, g.tensor, g.atomic_shape, g.boxes, g.padded_rows, g.writes,
+                                   None if g.stateless else fragments.get(g.tensor), g.stateless))
+        out += _legacy_grouped(gpt, vocab_size, fragments)
     return out

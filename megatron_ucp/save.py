@@ -27,7 +27,7 @@ from megatron_ucp import manifest as mf
 from megatron_ucp import host_memory, ownership, rng, storage
 from megatron_ucp.collective import on_rank_zero, run_everywhere
 from megatron_ucp.errors import SaveError
-from megatron_ucp.layout import fragment_regions, padding_shape, pieces, region_runs
+from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
 from megatron_ucp.model_map import local_tensors
 from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, plain_groups,
                                           read_step, uses_distributed_optimizer)
@@ -70,8 +70,7 @@ def _offers(tensors, states, with_optimizer: bool):
         if not t.writes or (with_optimizer and t.fragment is None and not t.stateless):
             continue
         start, stop, data = _sources(t, states)
-        held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows)
-        for local_start, region in fragment_regions(held, start, stop):
+        for local_start, region in fragment_regions(t.pieces(), start, stop):
             item = WriteItem(t.name, region, region.numel * 4 * len(data))
             offers.append(item)
             sources[item.key] = (local_start - start, data)
@@ -83,15 +82,15 @@ def _tensor_entries(tensors, states) -> dict:
     for t in tensors:
         if not t.writes:
             continue
-        padding = (t.padded_rows - t.atomic_shape[0]) if t.rule.kind == "vocab" else 0
         entries[t.name] = {
             "file": mf.tensor_file(t.name),
             "shape": list(t.atomic_shape),
             "dtype": "F32",
-            "rule": t.rule.to_json(),
-            "padding_rows": padding,
+            "padding_rows": t.padding_rows,
             "states": ["param"] if t.stateless else list(states),
         }
+        if t.padded_rows is not None:
+            entries[t.name]["vocab"] = True
         if t.stateless:
             entries[t.name]["buffer"] = True
     return entries
@@ -452,7 +451,7 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
 
     layout = current_layout(optimizer)
     for e in entries.values():
-        if e["rule"]["kind"] == "vocab":
+        if e.get("vocab"):
             layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
     head = {
         "format": mf.FORMAT_NAME,

@@ -1,7 +1,7 @@
 """Write a universal checkpoint from atomic tensors assembled one at a time: the converters'
 shared output half.
 
-A converter supplies, per atomic tensor, its manifest entry (shape, rule, padding rows, states)
+A converter supplies, per atomic tensor, its manifest entry (shape, vocabulary mark, padding rows, states)
 and a function that assembles one state at a time as `{part: array}` ('' for the tensor,
 layout.PADDING for its vocabulary padding rows). Each file is written once, sequentially, with
 its block checksums computed from memory; `workers` forked processes write tensors in
@@ -74,9 +74,12 @@ def write_tensor_file(path: str, meta: dict, assemble: Callable[[str], Dict[str,
     return out.finish()
 
 
-def tensor_meta(name: str, shape, rule, padding_rows: int, states, buffer: bool = False) -> dict:
+def tensor_meta(name: str, shape, vocab: bool, padding_rows: int, states, buffer: bool = False) -> dict:
+    """The manifest entry of one atomic tensor (`vocab`: its rows are the vocabulary)."""
     meta = {"file": mf.tensor_file(name), "shape": [int(d) for d in shape], "dtype": "F32",
-            "rule": rule.to_json(), "padding_rows": int(padding_rows), "states": list(states)}
+            "padding_rows": int(padding_rows), "states": list(states)}
+    if vocab:
+        meta["vocab"] = True
     if buffer:
         meta["buffer"] = True
     return meta

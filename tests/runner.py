@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ucp import storage  # noqa: E402
-from megatron_ucp.layout import fragment_regions, pieces  # noqa: E402
+from megatron_ucp.layout import fragment_regions  # noqa: E402
 from megatron_ucp.load import load_universal  # noqa: E402
 from megatron_ucp.model_map import local_tensors  # noqa: E402
 from megatron_ucp.save import save_universal  # noqa: E402
@@ -32,8 +32,7 @@ def owned_bytes(tensors, manifest) -> int:
     total = 0
     for t in tensors:
         entry = manifest["tensors"][t.name]
-        held = pieces(t.rule, t.atomic_shape, t.tp, t.tp_rank, t.padded_rows,
-                      entry["padding_rows"] if t.rule.kind == "vocab" else None)
+        held = t.pieces(entry["padding_rows"] if t.padded_rows is not None else None)
         total += 4 * sum(r.numel for _, r in fragment_regions(held, 0, t.param.numel()))
         if t.fragment is not None:
             f = t.fragment
@@ -210,7 +209,30 @@ def grouped(step):
                         sorted(fused_kinds & {"SequentialMLP", "GroupedMLP"})]}
 
 
-OPS = {"convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
+def names(step):
+    """The atomic names the mapping gives, and megatron's own checkpoint keys with their
+    prepended coordinates, over all ranks (copies of another stage's tensor left out)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megatron_ucp.train.model import unwrap
+
+    with loop.session(step["argv"]) as (args, state):
+        mine = {t.name for t in local_tensors(state.model, None, args.vocab_size) if t.writes}
+        keys = set()
+        for chunk in state.model:
+            for v in nested_values(unwrap(chunk).sharded_state_dict()):
+                built = v.build() if isinstance(v, ShardedTensorFactory) else v
+                for t in nested_values(built) if isinstance(built, (dict, list)) else [built]:
+                    if isinstance(t, ShardedTensor) and t.replica_id[0] == 0:
+                        keys.add((t.key, tuple(t.global_offset[:t.prepend_axis_num])))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (mine, keys))
+    return {"names": sorted(set().union(*(m for m, _ in everyone))),
+            "keys": sorted(set().union(*(k for _, k in everyone)))}
+
+
+OPS = {"names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
        "grouped": grouped}
 

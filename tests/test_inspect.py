@@ -20,11 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "tools" / "inspect_checkpoint.py"
 BLOCK = 64
 ITERATION = 12
-TENSORS = {  # name: (shape, rule, padding_rows)
-    "embedding.word_embeddings.weight": ([10, 8], {"kind": "vocab", "dim": 0}, 6),
-    "decoder.layers.0.mlp.linear_fc1.weight": ([32, 8], {"kind": "gated", "dim": 0}, 0),
-    "decoder.layers.0.self_attention.linear_proj.weight": ([8, 8], {"kind": "split", "dim": 1}, 0),
-    "decoder.final_layernorm.weight": ([8], {"kind": "replicated", "dim": 0}, 0),
+TENSORS = {  # name: (shape, vocabulary rows, padding_rows)
+    "embedding.word_embeddings.weight": ([10, 8], True, 6),
+    "decoder.layers.0.mlp.linear_fc1.weight": ([32, 8], False, 0),
+    "decoder.layers.0.self_attention.linear_proj.weight": ([8, 8], False, 0),
+    "decoder.final_layernorm.weight": ([8], False, 0),
 }
 
 
@@ -50,9 +50,11 @@ def _make_checkpoint(save: Path) -> Path:
     (root / "rng").mkdir()
     rng = np.random.default_rng(0)
     entries = {}
-    for name, (shape, rule, padding) in TENSORS.items():
-        entry = {"file": mf.tensor_file(name), "shape": shape, "dtype": "F32", "rule": rule,
+    for name, (shape, vocab, padding) in TENSORS.items():
+        entry = {"file": mf.tensor_file(name), "shape": shape, "dtype": "F32",
                  "padding_rows": padding, "states": list(mf.STATES)}
+        if vocab:
+            entry["vocab"] = True
         layout = mf.file_layout(entry)
         path = str(root / entry["file"])
         storage.create_tensor_file(path, layout)
@@ -119,11 +121,11 @@ def test_describe_and_table(ckpt):
     assert desc["total_bytes"] == sum(os.path.getsize(_file(root, n)) for n in TENSORS)
     rows = {r["name"]: r for r in desc["tensors"]}
     assert rows["embedding.word_embeddings.weight"]["padding_rows"] == 6
-    assert rows["decoder.layers.0.self_attention.linear_proj.weight"]["rule"] == "split"
-    assert rows["decoder.layers.0.self_attention.linear_proj.weight"]["dim"] == 1
+    assert rows["embedding.word_embeddings.weight"]["vocab"]
+    assert not rows["decoder.layers.0.self_attention.linear_proj.weight"]["vocab"]
     json.dumps(desc)
     table = format_table(desc)
-    assert str(ITERATION) in table and "split:1" in table and "vocab:0" in table
+    assert str(ITERATION) in table and " vocab " in table
     for name in TENSORS:
         assert name in table
     # aligned: every tensor row starts its "bytes" column at the same place

@@ -12,8 +12,8 @@ from megatron_ucp.legacy_convert import (
     buffer_offsets,
     global_name,
     global_rank,
+    model_geometry,
     parse_rank_dir,
-    rule_for_name,
 )
 
 
@@ -40,23 +40,36 @@ def test_buffer_offsets_bucket_size_splits_buckets():
     assert numel == 67
 
 
-def test_rules_by_name():
-    assert rule_for_name("embedding.word_embeddings.weight", False) == Rule("vocab")
-    assert rule_for_name("output_layer.weight", True) == Rule("vocab")
-    assert rule_for_name("decoder.layers.0.self_attention.linear_qkv.weight", False) == Rule("split", 0)
-    assert rule_for_name("decoder.layers.0.self_attention.linear_qkv.bias", False) == Rule("split", 0)
-    assert rule_for_name("decoder.layers.0.self_attention.linear_proj.weight", False) == Rule("split", 1)
-    assert rule_for_name("decoder.layers.0.self_attention.linear_proj.bias", False) == Rule("replicated")
-    assert rule_for_name("decoder.layers.0.mlp.linear_fc1.weight", True) == Rule("gated")
-    assert rule_for_name("decoder.layers.0.mlp.linear_fc1.weight", False) == Rule("split", 0)
-    assert rule_for_name("decoder.layers.0.mlp.linear_fc2.weight", False) == Rule("split", 1)
-    assert rule_for_name("decoder.layers.0.mlp.linear_fc2.bias", False) == Rule("replicated")
-    assert rule_for_name("decoder.layers.0.input_layernorm.weight", False) == Rule("replicated")
-    assert rule_for_name("decoder.final_layernorm.bias", False) == Rule("replicated")
-    assert rule_for_name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", False) == Rule("replicated")
-    assert rule_for_name("embedding.position_embeddings.weight", False) == Rule("replicated")
-    with pytest.raises(LayoutError, match="unknown to the legacy converter"):
-        rule_for_name("decoder.layers.0.mlp.something_new.weight", False)
+def test_rules_from_megatrons_description_and_saved_shapes():
+    """The legacy converter names and splits tensors by megatron's description of the model
+    (a meta-device model from the stored arguments) and the saved TP-local shapes: the rules
+    that come out are megatron's tensor-parallel ones, the names megatron's keys."""
+    from megatron_ucp.layout import infer_rule, local_shape
+
+    a = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 8,
+         "max_position_embeddings": 8, "vocab_size": 50, "swiglu": True, "cpu": True, "mock_data": True,
+         "micro_batch_size": 1, "global_batch_size": 1, "untie_embeddings_and_output_weights": True}
+    described = model_geometry(a, 1, 50, 64)
+    expected = {
+        "embedding.word_embeddings.weight": Rule("vocab"),
+        "output_layer.weight": Rule("vocab"),
+        "decoder.layers.1.self_attention.linear_qkv.weight": Rule("split", 0),
+        "decoder.layers.1.self_attention.linear_qkv.bias": Rule("split", 0),
+        "decoder.layers.1.self_attention.linear_proj.weight": Rule("split", 1),
+        "decoder.layers.1.self_attention.linear_proj.bias": Rule("replicated"),
+        "decoder.layers.1.mlp.linear_fc1.weight": Rule("gated"),
+        "decoder.layers.1.mlp.linear_fc2.weight": Rule("split", 1),
+        "decoder.layers.1.input_layernorm.weight": Rule("replicated"),
+        "decoder.final_layernorm.bias": Rule("replicated"),
+    }
+    for module_name, rule in expected.items():
+        g = described[module_name]
+        padded = 64 if rule.kind == "vocab" else None
+        saved = local_shape(rule, g.atomic_shape, 2, padded)
+        assert infer_rule(g.atomic_shape, saved, len(g.boxes) > 1, g.padded_rows is not None) == rule, module_name
+    assert described["decoder.layers.1.input_layernorm.weight"].name == \
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
+    assert described["embedding.word_embeddings.weight"].atomic_shape == (50, 16)
 
 
 def test_global_layer_names_follow_the_pipeline_and_virtual_stages():

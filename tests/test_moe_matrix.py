@@ -165,12 +165,12 @@ def test_fragment_cutting_a_legacy_grouped_tensor_is_refused():
     import torch
 
     from megatron_ucp.errors import LayoutError
-    from megatron_ucp.model_map import _legacy_grouped
+    from megatron_ucp.model_map import legacy_grouped_tensors
     from megatron_ucp.optimizer_state import Fragment
 
     weight = torch.nn.Parameter(torch.zeros(8, 2 * 16))
     half = Fragment(0, weight.numel() // 2, torch.zeros(128), torch.zeros(128), torch.zeros(128),
                     main_is_model=False)
-    with pytest.raises(LayoutError, match=r"decoder\.layers\.3\.mlp\.experts\.weight1.*legacy grouped-GEMM"):
-        _legacy_grouped("decoder.layers.3.mlp.experts.weight1", "1", weight, half, gated=True,
-                        num_local=2)
+    names = [f"decoder.layers.3.mlp.experts.experts.{e}.linear_fc1.weight" for e in (4, 5)]
+    with pytest.raises(LayoutError, match=r"decoder\.layers\.3\.mlp\.experts\.experts\.4\..*legacy grouped-GEMM"):
+        legacy_grouped_tensors(names, "1", weight, half, gated=True, num_local=2)

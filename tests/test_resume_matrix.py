@@ -506,7 +506,8 @@ def test_a_wrong_bucket_layout_is_caught_by_the_weights(w4n, work, monkeypatch):
     from megatron_ucp.errors import FormatError
 
     real = legacy_convert.bucket_layout
-    a, b = "decoder.layers.2.input_layernorm.weight", "decoder.layers.2.input_layernorm.bias"
+    a, b = ("decoder.layers.2.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.2.self_attention.linear_qkv.layer_norm_bias")
 
     def swapped(items, *args):
         index, buckets = real(items, *args)
@@ -515,5 +516,5 @@ def test_a_wrong_bucket_layout_is_caught_by_the_weights(w4n, work, monkeypatch):
         return index, buckets
 
     monkeypatch.setattr(legacy_convert, "bucket_layout", swapped)
-    with pytest.raises(FormatError, match=r"input_layernorm\.(weight|bias): the optimizer's fp32 weights"):
+    with pytest.raises(FormatError, match=r"linear_qkv\.layer_norm_(weight|bias): the optimizer's fp32 weights"):
         dist_convert.plan_conversion(str(work / "N" / "iter_0000005"))
