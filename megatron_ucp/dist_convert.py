@@ -370,8 +370,6 @@ def _state_prefixes(reader: DcpReader) -> dict:
 
 def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[dict] = None) -> Plan:
     """Map every atomic tensor to the checkpoint's chunks; reads metadata and small objects only."""
-    import torch
-
     from megatron_ucp.model_map import local_tensors
 
     if common is None:

@@ -76,9 +76,10 @@ def parse_rank_dir(name: str):
     return int(m.group(1)), int(m.group(2) or 0)
 
 
-def model_geometry(a: dict, world: int, vocab: int, padded: int) -> dict:
+def model_geometry(a: dict, world: int, vocab: int, padded: int):
     """Module name in the whole model (global layer numbers) -> megatron's description of that
-    parameter (model_map): its atomic name, shape, packed halves and vocabulary rows. The model
+    parameter (model_map): its atomic name, shape, packed halves and vocabulary rows; and the
+    model's architecture record (manifest.architecture). The model
     is built from the checkpoint's arguments on the meta device, in one process (TP = PP = 1);
     how the source layout split each tensor follows from the saved local shapes (infer_rule)."""
     from megatron_ucp.convert import argv_from_args
@@ -91,7 +92,8 @@ def model_geometry(a: dict, world: int, vocab: int, padded: int) -> dict:
     with _single_process_megatron():
         gpt = _meta_model(source, padded)
         found = {id(g.tensor): g for g in geometry(gpt, vocab)}
-        return {n: found[id(p)] for n, p in gpt.named_parameters() if id(p) in found}
+        described = {n: found[id(p)] for n, p in gpt.named_parameters() if id(p) in found}
+        return described, mf.architecture(gpt, vocab)
 
 
 def global_name(local_name: str, num_layers: int, pp: int, pp_rank: int, vpp: int | None,
@@ -252,6 +254,7 @@ class Plan:
     scheduler: dict | None
     consumed: int
     rng: dict  # global rank -> RNG state in our JSON form (empty when not ours)
+    architecture: dict  # manifest.architecture of the model the stored arguments build
 
 
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
@@ -300,7 +303,7 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
                           "or --ddp-bucket-size after '--'")
     tied = not a.get("untie_embeddings_and_output_weights")
     vocab = int(a["vocab_size"])
-    described = None  # megatron's description of the model, once the padded vocabulary is known
+    described = architecture = None  # megatron's description of the model, once the padded vocabulary is known
     num_layers = int(a["num_layers"])
     bucket_size = None
     if a.get("overlap_grad_reduce"):
@@ -341,7 +344,7 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
                     if padded < vocab:
                         raise LayoutError(f"{path}: {padded} vocabulary rows over TP {tp}, fewer than --vocab-size "
                                           f"{vocab}")
-                    described = model_geometry(a, tp * pp * int(dp or 1), vocab, padded)
+                    described, architecture = model_geometry(a, tp * pp * int(dp or 1), vocab, padded)
                 where = global_name(n, num_layers, pp, pp_rank, vpp, vp_stage, len(layers))
                 g = described.get(where)
                 if g is None:
@@ -378,7 +381,7 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
         dp = len(first["rng_state"])  # Megatron-LM keeps one RNG state per data-parallel rank
     rng = _rng_states(rank_dirs, tp, int(dp), first) if dp else {}
     return Plan(int(first["iteration"]), a, tp, pp, vpp, int(dp) if dp else None, dist_opt, atomics, int(step or 0),
-                param_groups, scheduler, int(consumed), rng)
+                param_groups, scheduler, int(consumed), rng, architecture)
 
 
 def _padded_vocab(sd, chunk_keys, tp: int, path: str) -> int:
@@ -531,26 +534,6 @@ def _state_parts(entry: Atomic, plan: Plan, sources: dict, state: str) -> dict:
     return parts
 
 
-def _architecture(a: dict, vocab: int) -> dict:
-    heads = int(a["num_attention_heads"])
-    hidden = int(a["hidden_size"])
-    groups = a.get("num_query_groups") if a.get("group_query_attention") else heads
-    ffn = a.get("ffn_hidden_size")
-    if ffn is None:
-        raise ConfigError("the stored args lack ffn_hidden_size; pass --ffn-hidden-size after '--'")
-    add_bias = a["add_bias_linear"] if "add_bias_linear" in a else not a.get("disable_bias_linear", False)
-    return {
-        "num_layers": int(a["num_layers"]), "hidden_size": hidden, "ffn_hidden_size": int(ffn),
-        "num_attention_heads": heads, "num_query_groups": int(groups or heads),
-        "kv_channels": int(a.get("kv_channels") or hidden // heads),
-        "gated_linear_unit": bool(a.get("swiglu")), "normalization": a.get("normalization", "LayerNorm"),
-        "add_bias_linear": bool(add_bias), "num_experts": None, "moe_ffn_hidden_size": None,
-        "moe_layer_pattern": None, "moe_shared_expert_intermediate_size": None,  # dense only
-        "vocab_size": int(vocab), "position_embedding_type": a.get("position_embedding_type", "learned_absolute"),
-        "share_embeddings_and_output_weights": not a.get("untie_embeddings_and_output_weights"),
-    }
-
-
 def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, workers: int = 1,
             progress: bool = True) -> dict:
     """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
@@ -574,7 +557,6 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
 def _manifest(plan: Plan, entries: dict) -> dict:
     """Everything in the manifest but the tensors' entries."""
     a = plan.args
-    vocab = int(a["vocab_size"])
     layout = {
         # Without RNG files the saving layout is recorded as unknown, so a loader reseeds.
         "world_size": plan.tp * plan.pp * plan.dp if plan.rng and plan.dp else None, "tensor_model_parallel_size": plan.tp,
@@ -587,7 +569,7 @@ def _manifest(plan: Plan, entries: dict) -> dict:
             layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
     return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": plan.iteration,
-        "consumed_samples": plan.consumed, "architecture": _architecture(a, vocab), "layout": layout,
+        "consumed_samples": plan.consumed, "architecture": plan.architecture, "layout": layout,
         "optimizer": {"type": "adam", "step": plan.step, "param_groups": plan.param_groups},
         "scheduler": plan.scheduler, "args": mf.jsonable(a),
     }

@@ -52,6 +52,9 @@ def moe_layer_pattern(config) -> Optional[list]:
     return [int(v) for v in freq]
 
 
+_MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
 def architecture(gpt, vocab_size: int) -> dict:
     """The model facts a checkpoint must agree with to load (from megatron's TransformerConfig)."""
     c = gpt.config
@@ -73,6 +76,10 @@ def architecture(gpt, vocab_size: int) -> dict:
         "vocab_size": int(vocab_size),
         "position_embedding_type": gpt.position_embedding_type,
         "share_embeddings_and_output_weights": bool(gpt.share_embeddings_and_output_weights),
+        "qk_layernorm": bool(c.qk_layernorm),
+        "multi_latent_attention": bool(getattr(c, "multi_latent_attention", False)),
+        **{k: (getattr(c, k, None) if getattr(c, "multi_latent_attention", False) else None) for k in _MLA_SIZES},
+        "mtp_num_layers": c.mtp_num_layers or None,
     }
 
 
@@ -107,7 +114,12 @@ ARCHITECTURE = {
     "moe_layer_pattern": _PATTERN, "moe_shared_expert_intermediate_size": _OPTIONAL_SIZE,
     "vocab_size": _SIZE, "position_embedding_type": _TEXT,
     "share_embeddings_and_output_weights": _FLAG,
+    "qk_layernorm": _FLAG, "multi_latent_attention": _FLAG,
+    **{k: _OPTIONAL_SIZE for k in _MLA_SIZES}, "mtp_num_layers": _OPTIONAL_SIZE,
 }
+# Facts added after the first checkpoints were written, with the value every earlier model had.
+ARCHITECTURE_SINCE = {"qk_layernorm": False, "multi_latent_attention": False,
+                      **{k: None for k in _MLA_SIZES}, "mtp_num_layers": None}
 # The layout that saved (save.current_layout); a converted checkpoint without RNG states
 # records no world size, so that a loader reseeds, and a legacy one may not know its DP size.
 LAYOUT = {
@@ -299,6 +311,8 @@ def _check_meaning(m: dict, path: str, directory: str) -> None:
     _need(folder is None or int(folder.group(1)) == m["iteration"], path,
           f"'iteration' is {m['iteration']}, expected {int(folder.group(1)) if folder else ''} "
           f"(the number of its folder)")
+    for key, value in ARCHITECTURE_SINCE.items():
+        m["architecture"].setdefault(key, value)
     _check_block(m["architecture"], ARCHITECTURE, path, "architecture")
     _check_block(m["layout"], LAYOUT, path, "layout")
     if "padded_vocab_size" in m["layout"]:

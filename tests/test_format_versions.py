@@ -7,7 +7,6 @@ saved it at iteration 4.
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
