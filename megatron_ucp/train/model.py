@@ -16,10 +16,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ucp.errors import ConfigError
 
@@ -58,8 +60,26 @@ def transformer_config(args) -> TransformerConfig:
             moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         )
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if args.multi_latent_attention:
+        config_class = MLATransformerConfig
+        mla = dict(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rotary_base=args.rotary_base,
+            rotary_scaling_factor=args.rotary_scaling_factor,
+            **({"rope_type": args.rope_type} if args.rope_type else {}),
+        )
+    return config_class(
         num_layers=args.num_layers,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        qk_layernorm=args.qk_layernorm,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
@@ -96,12 +116,23 @@ def transformer_config(args) -> TransformerConfig:
         # unbatched path separates the two directions.
         batch_p2p_comm=not args.cpu,
         **moe,
+        **mla,
     )
 
 
 def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
     """The layer spec of one model chunk. MoE models take megatron's per-layer block spec, which
-    places MoE and dense layers by `moe_layer_freq` and picks sequential or grouped experts."""
+    places MoE and dense layers by `moe_layer_freq` and picks sequential or grouped experts.
+    On CPU, MLA's core attention is cpu_mode's (megatron's local one has one head size)."""
+    spec = _megatron_layer_spec(args, config, vp_stage)
+    if args.cpu and args.multi_latent_attention:
+        from megatron_ucp import cpu_mode
+
+        cpu_mode.use_cpu_mla_attention(spec)
+    return spec
+
+
+def _megatron_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
     te = _have_te() and not args.cpu
     if args.num_experts is not None:
         if args.moe_grouped_gemm and not te:
@@ -119,8 +150,18 @@ def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=args.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
+    return get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                                    multi_latent_attention=args.multi_latent_attention)
+
+
+def mtp_spec(args, config: TransformerConfig, spec, vp_stage: Optional[int]):
+    """megatron's MTP block for the chunk that holds it (the last stage's last), else None."""
+    if not args.mtp_num_layers:
+        return None
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=_have_te() and not args.cpu,
+                                  vp_stage=vp_stage)
 
 
 @dataclass
@@ -155,6 +196,7 @@ def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
+            mtp_block_spec=mtp_spec(args, config, spec, stage),
             vp_stage=stage,
         )
         if args.bf16 or args.fp16:
