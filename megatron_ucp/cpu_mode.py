@@ -218,6 +218,34 @@ def _fork_checkpoint_queue():
     fs_async._get_write_results_queue = results_queue
 
 
+class _SharedKeyChannelsGrad(torch.autograd.Function):
+    """Identity forward; backward completes the grad of key channels that every head shares.
+
+    MLA's rotary key (the last qk_pos_emb_head_dim channels) is one vector for all heads, split
+    off a gathered ColumnParallelLinear output in megatron-core 0.16.1's local spec; its grad then
+    holds only this rank's heads (the gather's backward takes a slice, sums nothing). Adding the
+    other TP ranks' head sums here makes the grad the whole model's, as transformer-engine's
+    spec gets it.
+    """
+
+    @staticmethod
+    def forward(ctx, key, channels, group):
+        ctx.channels, ctx.group = channels, group
+        return key.view_as(key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        shared = grad[..., -ctx.channels:]  # [s, b, local heads, channels]
+        local = shared.sum(dim=2, keepdim=True)
+        total = local.clone()
+        dist.all_reduce(total, group=ctx.group)
+        grad[..., -ctx.channels:] = shared + (total - local) / shared.shape[2]
+        return grad, None, None
+
+
 class CpuCoreAttention(torch.nn.Module):
     """Causal softmax attention in plain torch whose key and value heads may differ in size.
 
@@ -226,6 +254,7 @@ class CpuCoreAttention(torch.nn.Module):
     Follows DotProductAttention otherwise: query/key/value [s, b, heads, dim] with TP-local
     heads (query groups repeated), the softmax scale MLA passes, megatron's mask fill value,
     softmax in fp32, attention dropout under the tensor-parallel RNG; returns [s, b, heads x v_dim].
+    With MLA on TP > 1 it also completes the shared rotary key's grad (_SharedKeyChannelsGrad).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -238,8 +267,11 @@ class CpuCoreAttention(torch.nn.Module):
             raise ValueError("CpuCoreAttention: context parallelism is not supported")
         self.config = config
         self.attn_mask_type = attn_mask_type
-        tp = pg_collection.tp.size() if pg_collection is not None else \
-            parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = pg_collection.tp if pg_collection is not None else \
+            parallel_state.get_tensor_model_parallel_group()
+        tp = self.tp_group.size()
+        self.shared_key_channels = config.qk_pos_emb_head_dim \
+            if getattr(config, "multi_latent_attention", False) and tp > 1 else 0
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         k_channels = k_channels or config.kv_channels
@@ -257,6 +289,8 @@ class CpuCoreAttention(torch.nn.Module):
 
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("CpuCoreAttention: packed sequences and attention bias are not supported")
+        if self.shared_key_channels and key.requires_grad:
+            key = _SharedKeyChannelsGrad.apply(key, self.shared_key_channels, self.tp_group)
         if self.heads != self.groups:
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
             value = value.repeat_interleave(self.heads // self.groups, dim=2)

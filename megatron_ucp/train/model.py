@@ -262,6 +262,31 @@ def optimizer_config(args) -> OptimizerConfig:
     return config
 
 
+def _finalize_model_grads(args, model):
+    """megatron's finalize_model_grads, after halving (1/TP) the grads of MLA's query-latent norm
+    in the local spec without sequence parallelism.
+
+    megatron-core sums every `q_layernorm` grad over TP: right for per-head norms, but MLA's
+    local spec normalizes the gathered query latent, whose grad each TP rank already holds whole
+    (linear_q_up_proj all-reduces its input grad), so the sum would count it TP times.
+    Transformer-engine's spec fuses that norm into linear_q_up_proj, out of the name's reach.
+    """
+    tp = args.tensor_model_parallel_size
+    local_spec = args.cpu or not _have_te()
+    if not (args.multi_latent_attention and args.q_lora_rank and args.qk_layernorm and local_spec
+            and tp > 1 and not args.sequence_parallel):
+        return finalize_model_grads
+    norms = [p for chunk in model for name, p in chunk.named_parameters()
+             if "self_attention.q_layernorm." in name]
+
+    def finalize(*args, **kwargs):
+        for param in norms:
+            param.main_grad.div_(tp)
+        return finalize_model_grads(*args, **kwargs)
+
+    return finalize
+
+
 def build_train_state(args) -> TrainState:
     config = transformer_config(args)
     model = build_model(args, config)
@@ -282,6 +307,6 @@ def build_train_state(args) -> TrainState:
     )
     # Wire DDP into the schedules: grad sync after the last micro-batch, none before.
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_model_grads(args, model)
     config.grad_scale_func = optimizer.scale_loss
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
