@@ -9,6 +9,7 @@ weights only when both load them: a torch_dist checkpoint of a PP1 run (megatron
 its weights to any split).
 """
 
+import json
 import math
 import types
 from pathlib import Path
@@ -56,12 +57,14 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def w2(work):
     ref = str(work / "REF")
+    log = lambda name: ["--loss-log", str(work / f"{name}.jsonl")]  # noqa: E731
     steps = [
         # The reference weights for the pipeline splits: one iteration of PP1, in torch_dist.
         train("ref_pp1", ["--ckpt-format", "torch_dist"], iters=1, save=ref, interval=1),
         train("pp2_even", PP2 + FROM_REFERENCE, iters=1 + ITERS, load=ref, step=1, universal=False),
         train("pp2_uneven", UNEVEN + FROM_REFERENCE, iters=1 + ITERS, load=ref, step=1, universal=False),
         train("pp2_uneven_scratch", UNEVEN),
+        train("pp2_even_scratch", PP2),
         train("dense_dp2", []),
         train("mla_dp2", MLA),
         train("mla_tp2", MLA + TP2),
@@ -69,9 +72,9 @@ def w2(work):
         train("mla_q_tp2", MLA + Q_LORA + TP2),
         train("qk_dp2", QK_NORM),
         train("qk_tp2", QK_NORM + TP2),
-        train("mtp_dp2", MTP),
-        train("mtp_tp2", MTP + TP2),
-        train("mtp_pp2", MTP + PP2),
+        train("mtp_dp2", MTP + log("mtp_dp2")),
+        train("mtp_tp2", MTP + TP2 + log("mtp_tp2")),
+        train("mtp_pp2", MTP + PP2 + log("mtp_pp2")),
         train("deepseek_ep2", DEEPSEEK),
     ]
     return run_steps(2, steps, work / "w2")
@@ -105,6 +108,12 @@ def test_uneven_pipeline_split_matches_the_even_one(w2):
     assert_same_curve(even, uneven)
 
 
+def test_uneven_pipeline_split_is_in_effect(w2):
+    """From scratch, the stage that builds a layer seeds it: moving layer 2 changes the start."""
+    even, uneven = losses(w2, "pp2_even_scratch"), losses(w2, "pp2_uneven_scratch")
+    assert abs(even[1] - uneven[1]) > 1e-4
+
+
 def test_uneven_pipeline_split_with_tensor_parallelism(w2, w4):
     assert_same_curve(finite_curve(w2, "pp2_uneven_scratch"), finite_curve(w4, "pp2_uneven_tp2"))
 
@@ -126,6 +135,20 @@ def test_mtp_loss_reaches_the_gradients_not_the_reported_loss(w2):
     assert abs(dense[1] - mtp[1]) < 1e-6
     assert abs(dense[2] - mtp[2]) > 1e-5
     finite_curve(w2, "mtp_pp2")
+
+
+def mtp_curve(work, name) -> dict:
+    records = [json.loads(line) for line in (work / f"{name}.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["mtp_1 loss"] for r in records}
+
+
+def test_mtp_loss_is_logged_alike_on_every_layout(work, w2):
+    """Megatron-LM's 'mtp_1 loss' in the loss log: a next-but-one-token loss near ln(vocab) at
+    the start, the same on TP1 and TP2, and there with the MTP layer on the last of 2 stages."""
+    dp2, tp2, pp2 = (mtp_curve(work, name) for name in ("mtp_dp2", "mtp_tp2", "mtp_pp2"))
+    assert sorted(dp2) == sorted(pp2) == list(range(1, ITERS + 1))
+    assert abs(dp2[1] - math.log(250)) < 0.3 and abs(pp2[1] - math.log(250)) < 0.3
+    assert_same_curve(dp2, tp2)
 
 
 def test_deepseek_like_model_on_two_and_four_processes(w2, w4):
