@@ -274,6 +274,8 @@ def parse(argv, world=2):
     (MLA + ["--v-head-dim", "0"], 1, ["--v-head-dim"]),
     (["--rope-type", "yarn"], 1, ["--rope-type yarn", "--multi-latent-attention"]),
     (["--mtp-num-layers", "0"], 1, ["--mtp-num-layers"]),
+    (UNEVEN + ["--save", "/nonexistent"], 2, ["--decoder-first-pipeline-num-layers", "torch_dist"]),
+    (DEEPSEEK + ["--load", "/nonexistent"], 2, ["--mtp-num-layers", "--expert-model-parallel-size"]),
 ])
 def test_bad_variant_flags_name_the_arguments(argv, world, names):
     with pytest.raises(ConfigError) as e:
@@ -282,6 +284,11 @@ def test_bad_variant_flags_name_the_arguments(argv, world, names):
     assert "\n" not in message
     for name in names:
         assert name in message, message
+
+
+def test_torch_dist_checkpoints_take_the_variants():
+    parse(UNEVEN + ["--save", "/nonexistent", "--ckpt-format", "torch_dist"], 2)
+    parse(DEEPSEEK + ["--load", "/nonexistent", "--ckpt-format", "torch_dist"], 2)
 
 
 def test_split_rule_is_megatron_cores():
