@@ -385,7 +385,6 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     for flag in ("no_save_optim", "no_save_rng"):
         _need(not getattr(args, flag) or args.ckpt_format == "universal",
               f"--{flag.replace('_', '-')} needs --ckpt-format universal")
-    universal_limits(args)
     _need(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
           f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     _need(args.ckpt_step is None or args.ckpt_step >= 0, f"--ckpt-step must be >= 0, got {args.ckpt_step}")
@@ -410,22 +409,6 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     return args
-
-
-def universal_limits(args) -> None:
-    """Models whose universal checkpoints megatron_ucp/model_map.py cannot name yet: refused at
-    start-up rather than failing on one rank mid-run (an uneven split) or mixing experts of
-    different ranks under one name (MoE in the MTP layer, whose experts keep local numbers)."""
-    if args.ckpt_format != "universal" or not (args.save or args.load or args.elastic):
-        return
-    _need(args.decoder_first_pipeline_num_layers is None and args.decoder_last_pipeline_num_layers is None,
-          "universal checkpoints (--save/--load with --ckpt-format universal) do not support "
-          "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers yet: use "
-          "--ckpt-format torch_dist, or an even split")
-    _need(not (args.mtp_num_layers and args.num_experts is not None and args.expert_model_parallel_size > 1),
-          "universal checkpoints (--save/--load with --ckpt-format universal) do not name the MTP "
-          "layer's experts globally yet: --mtp-num-layers with --expert-model-parallel-size > 1 "
-          "needs --ckpt-format torch_dist")
 
 
 def validate_attention(args) -> None:
