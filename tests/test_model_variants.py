@@ -72,6 +72,7 @@ def w2(work):
         train("mla_tp2", MLA + TP2),
         train("mla_q_dp2", MLA + Q_LORA),
         train("mla_q_tp2", MLA + Q_LORA + TP2),
+        train("mla_q_tp2_sp", MLA + Q_LORA + TP2 + ["--sequence-parallel"]),
         train("qk_dp2", QK_NORM),
         train("qk_tp2", QK_NORM + TP2),
         train("mtp_dp2", MTP + log("mtp_dp2")),
@@ -89,6 +90,7 @@ def w4(work):
     steps = [
         train("pp2_uneven_tp2", UNEVEN + TP2),
         train("deepseek_ep2_dp4", DEEPSEEK),
+        train("deepseek_tp2_ep2", DEEPSEEK + TP2 + ["--sequence-parallel"]),
     ]
     return run_steps(4, steps, work / "w4")
 
@@ -127,6 +129,10 @@ def test_variant_trains_alike_on_tp1_and_tp2(w2, variant):
     assert_same_curve(finite_curve(w2, f"{variant}_dp2"), finite_curve(w2, f"{variant}_tp2"))
 
 
+def test_mla_with_sequence_parallelism(w2):
+    assert_same_curve(finite_curve(w2, "mla_q_dp2"), finite_curve(w2, "mla_q_tp2_sp"))
+
+
 def test_query_compression_changes_the_model(w2):
     plain, compressed = losses(w2, "mla_dp2"), losses(w2, "mla_q_dp2")
     assert abs(plain[1] - compressed[1]) > 1e-4
@@ -156,7 +162,9 @@ def test_mtp_loss_is_logged_alike_on_every_layout(work, w2):
 
 
 def test_deepseek_like_model_on_two_and_four_processes(w2, w4):
-    assert_same_curve(finite_curve(w2, "deepseek_ep2"), finite_curve(w4, "deepseek_ep2_dp4"), MOE_TOL)
+    ep2 = finite_curve(w2, "deepseek_ep2")
+    assert_same_curve(ep2, finite_curve(w4, "deepseek_ep2_dp4"), MOE_TOL)
+    assert_same_curve(ep2, finite_curve(w4, "deepseek_tp2_ep2"), MOE_TOL)  # TP2 + sequence parallel
 
 
 @pytest.mark.parametrize("source,resumed,tol", [

@@ -122,7 +122,7 @@ def _mtp_losses(args) -> dict:
     )
     if contributes and "values" in tracker:
         dp = parallel_state.get_data_parallel_world_size()
-        total += tracker["values"].double() / (args.num_microbatches * dp)
+        total += tracker["values"].double().cpu() / (args.num_microbatches * dp)
     tracker.clear()  # a later session may have another number of MTP layers
     dist.all_reduce(total)
     return {f"mtp_{i + 1} loss": float(v) for i, v in enumerate(total)}

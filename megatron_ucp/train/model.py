@@ -263,13 +263,14 @@ def optimizer_config(args) -> OptimizerConfig:
 
 
 def _finalize_model_grads(args, model):
-    """megatron's finalize_model_grads, after halving (1/TP) the grads of MLA's query-latent norm
+    """megatron's finalize_model_grads, after dividing by TP the grads of MLA's query-latent norm
     in the local spec without sequence parallelism.
 
     megatron-core sums every `q_layernorm` grad over TP: right for per-head norms, but MLA's
     local spec normalizes the gathered query latent, whose grad each TP rank already holds whole
-    (linear_q_up_proj all-reduces its input grad), so the sum would count it TP times.
-    Transformer-engine's spec fuses that norm into linear_q_up_proj, out of the name's reach.
+    (linear_q_up_proj all-reduces its input grad), so the sum would count it TP times. (With
+    sequence parallelism each rank norms its own rows: the sum is right.) Transformer-engine's
+    spec fuses that norm into linear_q_up_proj, out of the name's reach.
     """
     tp = args.tensor_model_parallel_size
     local_spec = args.cpu or not _have_te()
@@ -279,10 +280,10 @@ def _finalize_model_grads(args, model):
     norms = [p for chunk in model for name, p in chunk.named_parameters()
              if "self_attention.q_layernorm." in name]
 
-    def finalize(*args, **kwargs):
+    def finalize(*call_args, **call_kwargs):
         for param in norms:
             param.main_grad.div_(tp)
-        return finalize_model_grads(*args, **kwargs)
+        return finalize_model_grads(*call_args, **call_kwargs)
 
     return finalize
 
