@@ -24,8 +24,10 @@ from megatron_ucp.errors import ConfigError
 from megatron_ucp.train.args import build_parser, validate
 
 ITERS = 4
-TOL = 1e-4
-MOE_TOL = 1e-3  # top-k routing is discontinuous: reduction order can flip a near tie
+# fp32 layouts of one model agree to 5e-7 here; megatron-core's partial MLA rotary-key grad
+# at TP2 (docs/design.md, Model variants) moved the loss by 1.6e-5 at iteration 2.
+TOL = 1e-5
+MOE_TOL = 1e-4  # top-k routing is discontinuous: reduction order can flip a near tie
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 UNEVEN = PP2 + ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
