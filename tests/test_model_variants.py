@@ -3,11 +3,11 @@ layernorm, multi-token prediction, and a small DeepSeek-V3-like MoE.
 
 Each variant trains a few iterations on two layouts of the same model; the losses must be
 finite and agree (fp32, same data). Two of them also resume from a universal checkpoint on
-another layout. Tensor parallelism does not change
-initialization, so TP1 and TP2 runs start from the same weights. Pipeline stages seed their own
-streams (Megatron-LM's seed + 100 x stage), so an even and an uneven split start from the same
-weights only when both load them: a torch_dist checkpoint of a PP1 run (megatron-core reshards
-its weights to any split).
+another layout. Tensor parallelism does not change initialization, so TP1 and TP2 runs start
+from the same weights. Pipeline stages seed their own streams (Megatron-LM's seed + 100 x
+stage), so an even and an uneven split start from the same weights only when both load them:
+a torch_dist checkpoint of a PP1 run, read without its optimizer (megatron-core reshards the
+weights to any split).
 """
 
 import json
