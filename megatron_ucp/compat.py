@@ -117,6 +117,13 @@ def init_torch_adam_state(optimizer, alloc=None) -> None:
                 optimizer.state[p]["exp_avg_sq"] = alloc(p.data)
 
 
+def _mla_without_te():
+    """Without TE, megatron's TE extension module still imports (its TE classes are mocks), so
+    MLA believes it has TE and `isinstance(linear_proj, TELinear)` raises TypeError."""
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    mla.HAVE_TE = False
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
@@ -125,6 +132,7 @@ def apply() -> None:
         _torch_norm_with_sequence_parallel()
     if not _have("transformer_engine"):
         _router_gemm_without_te()
+        _mla_without_te()
     if not _have("transformer_engine") and not _have("apex.optimizers"):
         _torch_adam_state_before_load()
         _torch_adam_state_copy()

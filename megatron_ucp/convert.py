@@ -55,8 +55,10 @@ def argv_from_args(args: dict) -> list:
                 argv.append(flag)
         elif dest == "vocab_size" and args.get("eod_token") is not None:
             argv += [flag, str(args["eod_token"])]  # the flag's value: the NullTokenizer adds EOD
-        elif isinstance(value, (list, tuple)):  # --data-path W1 P1 W2 P2
+        elif isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):  # --data-path W1 P1 W2 P2
             argv += [flag, *map(str, value)]
+        elif isinstance(value, (list, tuple)):  # --moe-layer-freq's per-layer pattern, one word
+            argv += [flag, str(list(value))]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

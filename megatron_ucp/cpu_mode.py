@@ -218,6 +218,111 @@ def _fork_checkpoint_queue():
     fs_async._get_write_results_queue = results_queue
 
 
+class _SharedKeyChannelsGrad(torch.autograd.Function):
+    """Identity forward; backward completes the grad of key channels that every head shares.
+
+    MLA's rotary key (the last qk_pos_emb_head_dim channels) is one vector for all heads, split
+    off a gathered ColumnParallelLinear output in megatron-core 0.16.1's local spec; its grad then
+    holds only this rank's heads (the gather's backward takes a slice, sums nothing). Adding the
+    other TP ranks' head sums here makes the grad the whole model's, as transformer-engine's
+    spec gets it.
+    """
+
+    @staticmethod
+    def forward(ctx, key, channels, group):
+        ctx.channels, ctx.group = channels, group
+        return key.view_as(key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        shared = grad[..., -ctx.channels:]  # [s, b, local heads, channels]
+        local = shared.sum(dim=2, keepdim=True)
+        total = local.clone()
+        dist.all_reduce(total, group=ctx.group)
+        grad[..., -ctx.channels:] = shared + (total - local) / shared.shape[2]
+        return grad, None, None
+
+
+class CpuCoreAttention(torch.nn.Module):
+    """Causal softmax attention in plain torch whose key and value heads may differ in size.
+
+    Reason: megatron-core's local DotProductAttention has one head size and refuses MLA's
+    `k_channels`/`v_channels`; transformer-engine's attention (the GPU path) takes them.
+    Follows DotProductAttention otherwise: query/key/value [s, b, heads, dim] with TP-local
+    heads (query groups repeated), the softmax scale MLA passes, megatron's mask fill value,
+    softmax in fp32, attention dropout under the tensor-parallel RNG; returns [s, b, heads x v_dim].
+    With MLA on TP > 1 it also completes the shared rotary key's grad (_SharedKeyChannelsGrad).
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        if config.context_parallel_size != 1:
+            raise ValueError("CpuCoreAttention: context parallelism is not supported")
+        self.config = config
+        self.attn_mask_type = attn_mask_type
+        self.tp_group = pg_collection.tp if pg_collection is not None else \
+            parallel_state.get_tensor_model_parallel_group()
+        tp = self.tp_group.size()
+        self.shared_key_channels = config.qk_pos_emb_head_dim \
+            if getattr(config, "multi_latent_attention", False) and tp > 1 else 0
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        # megatron's query-key layer scaling divides by the layer number and multiplies back
+        # inside its fp32 softmax: the same scale.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else k_channels ** -0.5
+        self.dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None
+                                        else attention_dropout)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("CpuCoreAttention: packed sequences and attention bias are not supported")
+        if self.shared_key_channels and key.requires_grad:
+            key = _SharedKeyChannelsGrad.apply(key, self.shared_key_channels, self.tp_group)
+        if self.heads != self.groups:
+            key = key.repeat_interleave(self.heads // self.groups, dim=2)
+            value = value.repeat_interleave(self.heads // self.groups, dim=2)
+        scores = torch.einsum("sbhd,tbhd->bhst", query, key) * self.softmax_scale
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        if attention_mask is None and causal:
+            sq, sk = scores.shape[-2:]
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, -10000.0)  # megatron's attention_mask_func
+        probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+        if self.config.sequence_parallel:
+            probs = self.dropout(probs)
+        else:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = self.dropout(probs)
+        context = torch.einsum("bhst,tbhd->sbhd", probs, value)
+        return context.reshape(context.shape[0], context.shape[1], self.heads * self.v_channels)
+
+
+def use_cpu_mla_attention(spec) -> None:
+    """Give every MLA layer in a layer or block spec (and what an MTP spec copies from it) the
+    CpuCoreAttention above; changes the spec in place."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
+    for layer in layers:
+        attention = layer.submodules.self_attention
+        if attention.module is MLASelfAttention:
+            attention.submodules.core_attention = CpuCoreAttention
+
+
 def enable() -> None:
     """Turn on CPU mode in this process (idempotent). Call before building models."""
     global _ENABLED

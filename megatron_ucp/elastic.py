@@ -10,7 +10,8 @@ the batch sizes (see docs/elastic.md):
    and the first that fits wins. Nothing ever grows beyond what was requested.
 3. Within a candidate, EP (then expert TP) is the largest value <= requested that fits, and the
    virtual pipeline (layers per virtual stage) is kept when it still divides the layers of a
-   stage, else dropped (it changes the schedule, not the model).
+   stage, else dropped (it changes the schedule, not the model). An uneven pipeline split
+   (--decoder-first/last-pipeline-num-layers) is kept as given: only PPs it fits are candidates.
 4. The micro-batch size and the global batch size are kept; gradient accumulation
    (micro-batches per step) = global / (micro x DP). A candidate for which that is not a whole
    number does not fit.
@@ -37,6 +38,8 @@ class ModelDims:
     num_experts: int | None = None
     sequence_parallel: bool = False  # requested; megatron drops it when TP is 1
     bias_linear: bool = True  # megatron-core's MoE experts take biases only with expert TP 1
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,33 @@ class Choice:
         return self.layout == self.requested
 
 
+def pipeline_split_problem(num_layers: int, pp: int, first: int | None, last: int | None) -> str | None:
+    """Why the layers cannot be split over `pp` stages (None when they can), megatron-core's rule:
+    the first and last stages may hold `first` and `last` layers, the stages between them an equal
+    share of the rest."""
+    if first is None and last is None:
+        if num_layers % pp:
+            return f"--pipeline-model-parallel-size ({pp}) must divide --num-layers ({num_layers})"
+        return None
+    given = [(flag, n) for flag, n in (("--decoder-first-pipeline-num-layers", first),
+                                       ("--decoder-last-pipeline-num-layers", last)) if n is not None]
+    for flag, n in given:
+        if n < 1:
+            return f"{flag} must be >= 1, got {n}"
+    names = " and ".join(flag for flag, _ in given)
+    if pp < 2:
+        return f"{names} need --pipeline-model-parallel-size > 1 (got {pp})"
+    if pp < len(given):
+        return f"{names} need --pipeline-model-parallel-size >= {len(given)} (got {pp})"
+    rest = num_layers - sum(n for _, n in given)
+    middle = pp - len(given)
+    if rest < 0 or bool(rest) != bool(middle) or (middle and rest % middle):
+        return (f"--num-layers ({num_layers}) minus {names} leaves {rest} layers, which do not "
+                f"divide evenly over the {middle} other stages of --pipeline-model-parallel-size {pp}"
+                + (" (each stage needs at least one layer)" if middle and 0 <= rest < middle else ""))
+    return None
+
+
 def _shrink_reason(world_size: int, dims: ModelDims, lay: Layout, batch: Batch) -> str | None:
     """Why `lay` does not fit (None when it does): the checks of args.validate that a layout can fail."""
     tp, pp, ep = lay.tp, lay.pp, lay.ep
@@ -96,8 +126,10 @@ def _shrink_reason(world_size: int, dims: ModelDims, lay: Layout, batch: Batch) 
             return f"TP {tp} does not divide the {name} ({value})"
     if dims.sequence_parallel and tp > 1 and dims.seq_length % tp:
         return f"sequence parallel needs TP {tp} to divide the sequence length ({dims.seq_length})"
-    if dims.num_layers % pp:
-        return f"PP {pp} does not divide the layers ({dims.num_layers})"
+    split_problem = pipeline_split_problem(dims.num_layers, pp, dims.first_stage_layers,
+                                           dims.last_stage_layers)
+    if split_problem is not None:
+        return split_problem
     dp = world_size // (tp * pp)
     if batch.global_batch_size % (batch.micro_batch_size * dp):
         return (f"global batch {batch.global_batch_size} is not a multiple of micro-batch "
@@ -169,7 +201,9 @@ def dims_from_args(args) -> ModelDims:
         num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
         num_query_groups=groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         seq_length=args.seq_length, num_experts=args.num_experts,
-        sequence_parallel=bool(args.sequence_parallel), bias_linear=not args.disable_bias_linear)
+        sequence_parallel=bool(args.sequence_parallel), bias_linear=not args.disable_bias_linear,
+        first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
+        last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None))
 
 
 def layout_from_args(args) -> Layout:

@@ -7,6 +7,7 @@ stops at start-up with a one-line message naming the arguments at fault.
 import argparse
 import re
 
+from megatron_ucp.elastic import pipeline_split_problem
 from megatron_ucp.errors import ConfigError
 
 
@@ -41,6 +42,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head (with MLA: the compressed q and kv latents)")
+
+    g = p.add_argument_group("multi-latent attention")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="DeepSeek's MLA: low-rank compressed queries and keys/values")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="query compression rank (none: no compression)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="key/value compression rank")
+    g.add_argument("--qk-head-dim", type=int, default=128, help="query/key head size without the rotary part")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="rotary part of the query/key head")
+    g.add_argument("--v-head-dim", type=int, default=128, help="value head size")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="MLA's rotary embedding (default yarn, as in megatron-core's MLA config)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="yarn's context scaling")
+
+    g = p.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="predict this many further tokens with MTP layers on the last stage")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the MTP losses (their mean) in the training loss")
 
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None)
@@ -64,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (uneven split; the rest divide evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (uneven split; the rest divide evenly)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
@@ -261,10 +286,18 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.ffn_hidden_size % tp == 0,
         f"--tensor-model-parallel-size ({tp}) must divide --ffn-hidden-size ({args.ffn_hidden_size})",
     )
-    _need(args.num_layers % pp == 0,
-          f"--pipeline-model-parallel-size ({pp}) must divide --num-layers ({args.num_layers})")
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    split_problem = pipeline_split_problem(args.num_layers, pp, first, last)
+    _need(split_problem is None, str(split_problem))
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
+        # Megatron-LM takes the virtual degree of an uneven split from
+        # --num-virtual-stages-per-pipeline-rank, which this script does not offer.
+        _need(first is None and last is None,
+              "--num-layers-per-virtual-pipeline-stage cannot be combined with "
+              "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+              "(as in Megatron-LM, an uneven split needs --num-virtual-stages-per-pipeline-rank, "
+              "not supported here)")
         per_stage = args.num_layers // pp
         vl = args.num_layers_per_virtual_pipeline_stage
         _need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
@@ -331,6 +364,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
               "--moe-grouped-gemm needs --disable-bias-linear (megatron-core has no grouped expert biases)")
     else:
         _need(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
+    validate_attention(args)
+    _need(args.mtp_num_layers is None or args.mtp_num_layers >= 1,
+          f"--mtp-num-layers must be >= 1, got {args.mtp_num_layers}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _need(
@@ -373,6 +409,25 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     return args
+
+
+def validate_attention(args) -> None:
+    """Multi-latent attention's sizes, and its rope: MLA rotates its own qk-pos-emb channels."""
+    if not args.multi_latent_attention:
+        _need(args.rope_type in (None, "rope"), "--rope-type yarn needs --multi-latent-attention")
+        return
+    _need(not args.group_query_attention,
+          "--multi-latent-attention and --group-query-attention exclude each other (as in Megatron-LM)")
+    _need(args.position_embedding_type == "rope",
+          "--multi-latent-attention applies its own rotary embedding: give --position-embedding-type "
+          "rope (learned absolute positions would be added on top)")
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        _need(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _need(args.q_lora_rank is None or args.q_lora_rank >= 1,
+          f"--q-lora-rank must be >= 1 (or not given: no query compression), got {args.q_lora_rank}")
+    _need(args.qk_pos_emb_head_dim % 2 == 0,
+          f"--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) must be even (rotary pairs)")
+    _need(args.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be > 0, got {args.rotary_scaling_factor}")
 
 
 def validate_data(args) -> None:

@@ -153,7 +153,9 @@ CHECKPOINT_ARGS = (
     "position_embedding_type", "rotary_base", "untie_embeddings_and_output_weights",
     "disable_bias_linear", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
-    "moe_router_enable_expert_bias", "moe_grouped_gemm",
+    "moe_router_enable_expert_bias", "moe_grouped_gemm", "qk_layernorm", "multi_latent_attention",
+    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+    "rotary_scaling_factor", "mtp_num_layers",
 )
 
 

@@ -86,7 +86,9 @@ def _loss_func(loss_mask, output_tensor):
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # loss_mask: megatron masks the MTP losses with it (the main loss is masked in _loss_func).
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -102,6 +104,28 @@ def _mean_loss(losses_reduced) -> float:
         total += local / parallel_state.get_data_parallel_world_size()
     dist.all_reduce(total)
     return float(total.item())
+
+
+def _mtp_losses(args) -> dict:
+    """Megatron-LM's 'mtp_N loss' of the iteration, averaged over micro-batches and data-parallel
+    replicas, on every rank. megatron's MTP layers add each micro-batch's loss to a tracker on the
+    last stage; its own reduction averages with ReduceOp.AVG, which gloo lacks."""
+    if not args.mtp_num_layers:
+        return {}
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    total = torch.zeros(args.mtp_num_layers, dtype=torch.float64)
+    contributes = (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    if contributes and "values" in tracker:
+        dp = parallel_state.get_data_parallel_world_size()
+        total += tracker["values"].double().cpu() / (args.num_microbatches * dp)
+    tracker.clear()  # a later session may have another number of MTP layers
+    dist.all_reduce(total)
+    return {f"mtp_{i + 1} loss": float(v) for i, v in enumerate(total)}
 
 
 def train_step(state, batches, args):
@@ -164,7 +188,8 @@ def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm, extra=None) ->
             f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {consumed:12d} |"
             f" elapsed time per iteration (ms): {elapsed * 1000:.1f} | learning rate: {lr:.6E} |"
             f" global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} |"
-            f" grad norm: {grad_norm:.3f} |",
+            f" grad norm: {grad_norm:.3f} |"
+            + "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items() if k.startswith("mtp_")),
             flush=True,
         )
     if args.loss_log:
@@ -286,14 +311,15 @@ def train(args, state) -> list:
         batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
                                dp_rank, dp_size)
         loss, grad_norm, update_successful = train_step(state, batches, args)
+        mtp = _mtp_losses(args)
         iteration += 1
         consumed += args.global_batch_size
         _count(args, state.progress, update_successful)
         lr = state.optimizer.param_groups[0]["lr"]
         _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0,
-             state.progress)
+             {**state.progress, **mtp})
         monitor.scalars(iteration, {"lm loss": loss, "learning-rate": lr,
-                                    "grad-norm": float(grad_norm or 0.0)})
+                                    "grad-norm": float(grad_norm or 0.0), **mtp})
         history.append((iteration, loss))
         if args.eval_interval and iteration % args.eval_interval == 0:
             monitor.validation(iteration, evaluate(args, state, valid, iteration))

@@ -16,10 +16,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ucp.errors import ConfigError
 
@@ -58,8 +60,26 @@ def transformer_config(args) -> TransformerConfig:
             moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         )
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if args.multi_latent_attention:
+        config_class = MLATransformerConfig
+        mla = dict(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rotary_base=args.rotary_base,
+            rotary_scaling_factor=args.rotary_scaling_factor,
+            **({"rope_type": args.rope_type} if args.rope_type else {}),
+        )
+    return config_class(
         num_layers=args.num_layers,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        qk_layernorm=args.qk_layernorm,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups,
@@ -96,12 +116,23 @@ def transformer_config(args) -> TransformerConfig:
         # unbatched path separates the two directions.
         batch_p2p_comm=not args.cpu,
         **moe,
+        **mla,
     )
 
 
 def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
     """The layer spec of one model chunk. MoE models take megatron's per-layer block spec, which
-    places MoE and dense layers by `moe_layer_freq` and picks sequential or grouped experts."""
+    places MoE and dense layers by `moe_layer_freq` and picks sequential or grouped experts.
+    On CPU, MLA's core attention is cpu_mode's (megatron's local one has one head size)."""
+    spec = _megatron_layer_spec(args, config, vp_stage)
+    if args.cpu and args.multi_latent_attention:
+        from megatron_ucp import cpu_mode
+
+        cpu_mode.use_cpu_mla_attention(spec)
+    return spec
+
+
+def _megatron_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
     te = _have_te() and not args.cpu
     if args.num_experts is not None:
         if args.moe_grouped_gemm and not te:
@@ -119,8 +150,18 @@ def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=args.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention)
+    return get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+                                    multi_latent_attention=args.multi_latent_attention)
+
+
+def mtp_spec(args, config: TransformerConfig, spec, vp_stage: Optional[int]):
+    """megatron's MTP block for the chunk that holds it (the last stage's last), else None."""
+    if not args.mtp_num_layers:
+        return None
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=_have_te() and not args.cpu,
+                                  vp_stage=vp_stage)
 
 
 @dataclass
@@ -155,6 +196,7 @@ def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_base=args.rotary_base,
+            mtp_block_spec=mtp_spec(args, config, spec, stage),
             vp_stage=stage,
         )
         if args.bf16 or args.fp16:
@@ -220,6 +262,32 @@ def optimizer_config(args) -> OptimizerConfig:
     return config
 
 
+def _finalize_model_grads(args, model):
+    """megatron's finalize_model_grads, after dividing by TP the grads of MLA's query-latent norm
+    in the local spec without sequence parallelism.
+
+    megatron-core sums every `q_layernorm` grad over TP: right for per-head norms, but MLA's
+    local spec normalizes the gathered query latent, whose grad each TP rank already holds whole
+    (linear_q_up_proj all-reduces its input grad), so the sum would count it TP times. (With
+    sequence parallelism each rank norms its own rows: the sum is right.) Transformer-engine's
+    spec fuses that norm into linear_q_up_proj, out of the name's reach.
+    """
+    tp = args.tensor_model_parallel_size
+    local_spec = args.cpu or not _have_te()
+    if not (args.multi_latent_attention and args.q_lora_rank and args.qk_layernorm and local_spec
+            and tp > 1 and not args.sequence_parallel):
+        return finalize_model_grads
+    norms = [p for chunk in model for name, p in chunk.named_parameters()
+             if "self_attention.q_layernorm." in name]
+
+    def finalize(*call_args, **call_kwargs):
+        for param in norms:
+            param.main_grad.div_(tp)
+        return finalize_model_grads(*call_args, **call_kwargs)
+
+    return finalize
+
+
 def build_train_state(args) -> TrainState:
     config = transformer_config(args)
     model = build_model(args, config)
@@ -240,6 +308,6 @@ def build_train_state(args) -> TrainState:
     )
     # Wire DDP into the schedules: grad sync after the last micro-batch, none before.
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = _finalize_model_grads(args, model)
     config.grad_scale_func = optimizer.scale_loss
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config)

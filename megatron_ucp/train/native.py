@@ -24,13 +24,18 @@ def _model_sharded_state_dict(model):
     return {_model_key(model, i): unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
-def _sharded_state_dict(args, state, iteration, consumed, is_loading):
+def _sharded_state_dict(args, state, iteration, consumed, is_loading, optimizer=True):
+    """What megatron saves or loads. Without `optimizer`, the optimizer is not asked at all: asked
+    for a loading state dict, megatron's optimizers create Adam's moments (and no 'step'), which
+    the first step after a --no-load-optim load then trips over."""
     sd = _model_sharded_state_dict(state.model)
     model_sd = {}
     for value in sd.values():
         model_sd.update(value)
     metadata = {"distrib_optim_sharding_type": args.dist_ckpt_optim_format}
-    sd["optimizer"] = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    if optimizer:
+        sd["optimizer"] = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                             metadata=metadata)
     sd["opt_param_scheduler"] = state.scheduler.state_dict()
     sd["iteration"] = iteration
     sd["consumed_samples"] = consumed
@@ -74,11 +79,9 @@ def load(args, state, directory: str):
     """Restore model, optimizer, scheduler and RNG; return (iteration, consumed_samples)."""
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: no torch_dist checkpoint folder")
-    sd = _sharded_state_dict(args, state, 0, 0, is_loading=True)
+    sd = _sharded_state_dict(args, state, 0, 0, is_loading=True, optimizer=not args.no_load_optim)
     if args.no_load_rng:
         sd.pop("rng_state")
-    if args.no_load_optim:
-        sd.pop("optimizer")
     check_folder(directory)
     with safe_pickle.megatron_reader():  # DCP metadata and objects unpickled restrictedly
         loaded = dist_checkpointing.load(sd, directory)
