@@ -80,6 +80,8 @@ def _sharded_tensors(gpt, metadata) -> Dict[int, tuple]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    # Megatron-LM passes the data-parallel group; megatron's MTP stage needs it.
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True), **metadata}
     out: dict = {}
     for v in nested_values(gpt.sharded_state_dict(metadata=metadata)):
         if isinstance(v, ShardedTensorFactory):
@@ -134,7 +136,7 @@ def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
 
 def _geometry(gpt, vocab_size: int, params: dict) -> List[_Geometry]:
     """Every tensor megatron checkpoints for this model chunk, mapped (see module docstring)."""
-    default = _sharded_tensors(gpt, None)
+    default = _sharded_tensors(gpt, {})
     singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
     out = []
     for key, (tensor, sharded) in default.items():

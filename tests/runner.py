@@ -221,7 +221,10 @@ def names(step):
         mine = {t.name for t in local_tensors(state.model, None, args.vocab_size) if t.writes}
         keys = set()
         for chunk in state.model:
-            for v in nested_values(unwrap(chunk).sharded_state_dict()):
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            for v in nested_values(unwrap(chunk).sharded_state_dict(metadata={"dp_cp_group": group})):
                 built = v.build() if isinstance(v, ShardedTensorFactory) else v
                 for t in nested_values(built) if isinstance(built, (dict, list)) else [built]:
                     if isinstance(t, ShardedTensor) and t.replica_id[0] == 0:

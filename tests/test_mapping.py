@@ -82,10 +82,21 @@ VARIANTS = {
     "moe_shared_bias": ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
                         "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
                         "--moe-router-enable-expert-bias", "--moe-layer-freq", "[0,1,1,1]"],
+    "mla_qk_mtp": ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                   "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+                   "--v-head-dim", "6", "--qk-layernorm", "--mtp-num-layers", "1",
+                   "--untie-embeddings-and-output-weights"],
+    "deepseek_like": ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                      "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+                      "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--swiglu", "--disable-bias-linear", "--num-experts", "4",
+                      "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "32",
+                      "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                      "--moe-layer-freq", "[0]+[1]*3"],
 }
 LAYOUTS = {
     "tp1": [], "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    "pp2_uneven": ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
     "ep2": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
 }
 

@@ -367,6 +367,14 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     validate_attention(args)
     _need(args.mtp_num_layers is None or args.mtp_num_layers >= 1,
           f"--mtp-num-layers must be >= 1, got {args.mtp_num_layers}")
+    # megatron-core 0.16.1's GPTModel.sharded_state_dict asserts on the last stage's output layer
+    # in this case (its own torch_dist save fails too): no checkpoint can describe the model.
+    _need(not (args.mtp_num_layers and not args.untie_embeddings_and_output_weights
+               and args.pipeline_model_parallel_size > 1 and (args.save or args.load)),
+          "--mtp-num-layers with tied embeddings and --pipeline-model-parallel-size > 1 cannot be "
+          "checkpointed: megatron-core cannot describe the last stage's output layer for checkpoints "
+          "(its sharded_state_dict asserts); add --untie-embeddings-and-output-weights (as DeepSeek-V3 "
+          "does) or train on one pipeline stage")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     _need(
