@@ -49,7 +49,8 @@ def test_rules_from_megatrons_description_and_saved_shapes():
     a = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 8,
          "max_position_embeddings": 8, "vocab_size": 50, "swiglu": True, "cpu": True, "mock_data": True,
          "micro_batch_size": 1, "global_batch_size": 1, "untie_embeddings_and_output_weights": True}
-    described = model_geometry(a, 1, 50, 64)
+    described, architecture = model_geometry(a, 1, 50, 64)
+    assert architecture["gated_linear_unit"] and architecture["vocab_size"] == 50
     expected = {
         "embedding.word_embeddings.weight": Rule("vocab"),
         "output_layer.weight": Rule("vocab"),
