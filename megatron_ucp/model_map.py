@@ -138,9 +138,9 @@ def _geometry(gpt, vocab_size: int, params: dict) -> List[_Geometry]:
     """Every tensor megatron checkpoints for this model chunk, mapped (see module docstring)."""
     default = _sharded_tensors(gpt, {})
     singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
-    out = []
+    out, grouped = [], _legacy_grouped_ids(gpt)
     for key, (tensor, sharded) in default.items():
-        if key in _legacy_grouped_ids(gpt):
+        if key in grouped:
             continue
         first = sharded[0]
         where = f"{first.key} ({tuple(tensor.shape)})"
