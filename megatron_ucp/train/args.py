@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the query, key and value projections even with --disable-bias-linear (Qwen2)")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="universal: ignore checkpoint tensors that have no place in the model")
     g.add_argument("--no-load-optim", action="store_true",
                    help="do not load optimizer state (nor the scheduler's, as in Megatron-LM)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model weights only: iteration and consumed samples start at 0, no "
+                        "optimizer, scheduler or RNG state is loaded (Megatron-LM's meaning)")
     g.add_argument("--no-load-rng", action="store_true",
                    help="do not load RNG state: reseed from --seed and the iteration")
     g.add_argument("--no-load-scheduler", action="store_true",

@@ -1,5 +1,6 @@
 """Where checkpoints go: Megatron's `iter_XXXXXXX/` folders and tracker, in either format."""
 
+import argparse
 import os
 import time
 
@@ -151,7 +152,7 @@ CHECKPOINT_ARGS = (
     "group_query_attention", "num_query_groups", "seq_length", "max_position_embeddings",
     "vocab_size", "make_vocab_size_divisible_by", "swiglu", "normalization", "norm_epsilon",
     "position_embedding_type", "rotary_base", "untie_embeddings_and_output_weights",
-    "disable_bias_linear", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "disable_bias_linear", "add_qkv_bias", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
     "moe_router_enable_expert_bias", "moe_grouped_gemm", "qk_layernorm", "multi_latent_attention",
     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
@@ -225,8 +226,15 @@ def load(args, state, reseed=None):
     """Resume from `--load`; returns (iteration, consumed_samples).
 
     `reseed(iteration)` reseeds RNG when a universal checkpoint comes from another layout.
+    With --finetune only the model weights load (as --no-load-optim --no-load-scheduler
+    --no-load-rng say) and training starts over: iteration 0, no samples consumed, as in
+    Megatron-LM, where fine-tuning from pretrained weights is a new run.
     """
     from megatron_ucp.collective import run_everywhere
+
+    if args.finetune:
+        args = argparse.Namespace(**{**vars(args), "no_load_optim": True, "no_load_scheduler": True,
+                                     "no_load_rng": True})
 
     iteration, directory = run_everywhere(_load_target, args)  # a bad tracker fails every rank
     # The same folder on every rank: agreed, so that the job prints it once.
@@ -249,6 +257,11 @@ def load(args, state, reseed=None):
         iteration, consumed = module.load(args, state, directory)
     if dist.get_rank() == 0:
         print(f" loaded checkpoint from {directory} at iteration {iteration}", flush=True)
+    if args.finetune:
+        if dist.get_rank() == 0:
+            print(" --finetune: model weights only; training starts at iteration 0", flush=True)
+        state.progress = {}
+        return 0, 0
     return iteration, consumed
 
 

@@ -102,6 +102,7 @@ def transformer_config(args) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
