@@ -235,9 +235,47 @@ def names(step):
             "keys": sorted(set().union(*(k for _, k in everyone)))}
 
 
+def logits(step):
+    """megatron's forward on `tokens` after loading `--load` universally, weights only: the
+    true-vocabulary logits [batch, seq, vocab], gathered over TP from the last pipeline stage."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    tokens = torch.tensor(step["tokens"])
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    with loop.session(step["argv"]) as (args, state):
+        load_universal(args.load, state.model, vocab_size=args.vocab_size, iteration=args.ckpt_step,
+                       load_optim=False, load_rng=False)
+        kept = []
+
+        def forward_step(data_iterator, model):
+            output = model(tokens, positions, None)
+
+            def keep(out):
+                kept.append(gather_from_tensor_model_parallel_region(out)[..., :args.vocab_size].detach())
+                return out.sum() * 0, {}
+            return output, keep
+
+        for chunk in state.model:
+            chunk.eval()
+        iterators = [iter([None]) for _ in state.model]
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=state.model, num_microbatches=1, seq_length=seq, micro_batch_size=batch,
+                decoder_seq_length=seq, forward_only=True)
+        mine = kept[0].tolist() if kept and parallel_state.get_tensor_model_parallel_rank() == 0 else None
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return {"logits": next(x for x in everyone if x is not None)}
+
+
 OPS = {"names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
-       "grouped": grouped}
+       "grouped": grouped, "logits": logits}
 
 
 def main(spec_path: str, result_path: str) -> int:
