@@ -25,7 +25,7 @@ from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointEr
 _NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_universal",
                 "ckpt_format", "exit_interval", "keep_last", "async_save", "cpu", "world_size",
                 "data_parallel_size", "num_microbatches", "padded_vocab_size",
-                "virtual_pipeline_model_parallel_size", "no_verify_checkpoint", "no_strict_load"}
+                "virtual_pipeline_model_parallel_size", "no_verify_checkpoint", "no_strict_load", "finetune"}
 
 
 def stored_args(iteration_dir: str) -> dict:
