@@ -14,9 +14,10 @@ venv="${UCP_VENV:-.venv}"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-# torch is pinned: a bare `torch` requirement pulls a multi-GB CUDA build.
+# torch is pinned: a bare `torch` requirement pulls a multi-GB CUDA build. The hf extra
+# (transformers, matplotlib) is for tests/test_hf.py; it does not touch the pinned torch.
 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    "torch==2.13.0" "megatron-core==0.16.1" -e ".[dev]"
+    "torch==2.13.0" "megatron-core==0.16.1" -e ".[dev,hf]"
 case "${1:-}" in
     demo) shift; exec "$venv/bin/python" examples/cpu_demo.py "$@" ;;
     test) shift; exec "$venv/bin/python" -m pytest -q "$@" ;;
