@@ -70,6 +70,7 @@ def from_checkpoint(architecture: dict, args: dict, names) -> Model:
                          ("apply_query_key_layer_scaling", False)):
         need(args.get(key, default) in (default, "rope"), f"{key} {args.get(key)!r} (HF rope here is plain, "
              "full-width, non-interleaved, unscaled)")
+    need(not args.get("use_rope_scaling"), "use_rope_scaling (Llama 3.1 rope scaling; HF's plain rope here is unscaled)")
     for key in ("rotary_base", "norm_epsilon"):
         need(key in args, f"the manifest's args lack {key!r} (needed for the HF config)")
     swiglu_activation = args.get("swiglu", True)
@@ -89,6 +90,9 @@ def from_checkpoint(architecture: dict, args: dict, names) -> Model:
         need(not args.get("moe_router_pre_softmax"), "moe_router_pre_softmax (Mixtral renormalises the top k)")
         need(args.get("moe_router_topk_scaling_factor") in (None, 1.0), "a top-k scaling factor")
         need(not args.get("moe_router_num_groups"), "group-limited routing")
+        need(args.get("moe_expert_capacity_factor") is None, "an expert capacity factor (token dropping; "
+             "Mixtral drops no token)")
+        need(args.get("moe_router_load_balancing_type", "aux_loss") != "sinkhorn", "sinkhorn routing")
         need("moe_router_topk" in args, "the manifest's args lack 'moe_router_topk'")
     if diffs:
         raise ConfigError("no Hugging Face family computes this model the same way: " + "; ".join(diffs))

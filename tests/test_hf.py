@@ -272,6 +272,8 @@ MOE_ARCH = dict(ARCH, num_experts=4, moe_ffn_hidden_size=48, moe_layer_pattern=[
     (dict(MOE_ARCH, moe_shared_expert_intermediate_size=16), ARGS, "a shared expert"),
     (dict(MOE_ARCH, moe_layer_pattern=[0, 1]), ARGS, "dense layers among MoE"),
     (MOE_ARCH, dict(ARGS, moe_router_enable_expert_bias=True), "router expert bias"),
+    (MOE_ARCH, dict(ARGS, moe_expert_capacity_factor=1.0), "expert capacity factor"),
+    (ARCH, dict(ARGS, use_rope_scaling=True), "use_rope_scaling"),
 ])
 def test_export_refuses(arch, args, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
