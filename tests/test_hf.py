@@ -134,6 +134,8 @@ def group(work, imported):
     for kind in ("llama", "qwen2"):
         for layout, extra in LAYOUTS.items():
             steps.append(logits(f"i_{kind}_{layout}", flags_of(imported[kind][1]) + extra, str(imported[kind][1])))
+    # No model flags: --use-checkpoint-args takes them from the manifest's args.
+    steps.append(logits("i_qwen2_checkpoint_args", ["--use-checkpoint-args"], str(imported["qwen2"][1])))
     # Last: megatron's torch_dist writer leaves threads behind that slow later steps.
     dist_format = LLAMA + UNTIED + ["--ckpt-format", "torch_dist"]
     steps += [train("n_dist", dist_format, 5, save=d("N_dist")),
@@ -198,9 +200,11 @@ def test_import_logits(imported, group, kind, layout):
     assert diff <= TOL
 
 
-def test_import_mixtral_logits(imported, group):
-    diff = max_diff(ok(group, "i_mixtral_ep2")["logits"], hf_logits(imported["mixtral"][0]))
-    print(f"import mixtral ep2: max abs logit difference {diff:.3g}")
+@pytest.mark.parametrize("kind,step", [("mixtral", "i_mixtral_ep2"), ("qwen2", "i_qwen2_checkpoint_args")])
+def test_import_logits_more(imported, group, kind, step):
+    """Mixtral on EP2; Qwen2 built from the flags its manifest stores (--use-checkpoint-args)."""
+    diff = max_diff(ok(group, step)["logits"], hf_logits(imported[kind][0]))
+    print(f"import {step}: max abs logit difference {diff:.3g}")
     assert diff <= TOL
 
 
