@@ -51,8 +51,8 @@ def argv_from_args(args: dict, only=None) -> list:
         if only is not None and dest not in only:
             continue
         value, flag = args[dest], action.option_strings[0]
-        if action.nargs == 0:  # store_true
-            if value:
+        if action.nargs == 0:  # store_true, or store_false (--no-store-param-remainders)
+            if value == action.const:
                 argv.append(flag)
         elif dest == "vocab_size" and args.get("eod_token") is not None:
             argv += [flag, str(args["eod_token"])]  # the flag's value: the NullTokenizer adds EOD
