@@ -80,6 +80,22 @@ def carried_argv(saved_args: dict) -> list:
     return argv_from_args(saved_args, only=names)
 
 
+def _refuse_checkpoint_flags(extra) -> None:
+    """Where to load and save is this command's own business: such flags after '--' would be
+    silently overridden (or, for --load, read by the workers' start-up)."""
+    from megatron_ucp.train.args import build_parser
+
+    p = build_parser()
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(p.parse_known_args(list(extra))[0])
+    flags = [a.option_strings[0] for g in p._action_groups if g.title in ("checkpointing", "elastic training")
+             for a in g._group_actions if a.dest in given and a.dest != "distributed_timeout_minutes"]
+    if flags:
+        raise ConfigError(f"{', '.join(flags)} after '--': the export loads CKPT and saves OUT itself; "
+                          "give --iteration and --dist-ckpt-optim-format before '--'")
+
+
 def _layout_words(args, optim_format: str) -> str:
     words = (f"TP{args.tensor_model_parallel_size} PP{args.pipeline_model_parallel_size} "
              f"DP{args.data_parallel_size}")
@@ -104,6 +120,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     if not saved and not extra:
         raise ConfigError(f"{iteration_dir(root, it)}: the manifest stores no training arguments; "
                           "give the model's flags after '--' (--num-layers ... --hidden-size ...)")
+    _refuse_checkpoint_flags(extra)
     argv = carried_argv(saved) + list(extra) + ["--cpu", "--mock-data", "--ckpt-format", "torch_dist"]
     try:
         args = build_parser().parse_args(argv)

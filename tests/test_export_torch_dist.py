@@ -104,6 +104,8 @@ def test_tool_missing_checkpoint(tmp_path):
     (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, None, ConfigError, "--num-layers"),
     (TP4, None, "fully_reshardable", ConfigError, "give --use-distributed-optimizer"),
     (["--hidden-size", "banana"], None, None, ConfigError, "bad flags after '--'"),
+    (DIST + ["--load", "x", "--dist-ckpt-optim-format", "fully_reshardable"], None, None, ConfigError,
+     "--load, --dist-ckpt-optim-format after '--': the export loads CKPT and saves OUT itself"),
 ])
 def test_layout_that_does_not_fit(w4, work, extra, nproc, fmt, error, message):
     ok(w4, "a_tp2pp2")
@@ -122,3 +124,19 @@ def test_bad_input_folders(w4, work):
         plan(str(work / "A"), str(work / "T_tp4_plain"), K, TP4)
     with pytest.raises(ConfigError, match="contradicts"):
         plan(str(work / "A" / f"iter_{K:07d}"), str(work / "never"), 10, TP4)
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-store-param-remainders", "--swiglu"]])
+def test_carried_arguments_are_the_models_not_the_layout(flags):
+    """The checkpoint's model and training flags come back as they were (store_false ones too);
+    its layout and folders do not."""
+    from megatron_ucp.export_torch_dist import carried_argv
+    from megatron_ucp.train.args import build_parser, parse_args
+
+    stored = vars(parse_args(["--cpu", "--mock-data", "--tensor-model-parallel-size", "2", "--save", "x",
+                              "--save-interval", "5", "--use-distributed-optimizer", *flags], 2))
+    rebuilt = vars(build_parser().parse_args(carried_argv(stored)))
+    for name in ("swiglu", "store_param_remainders", "num_layers", "lr", "seed"):
+        assert rebuilt[name] == stored[name], name
+    assert rebuilt["tensor_model_parallel_size"] == 1 and not rebuilt["use_distributed_optimizer"]
+    assert rebuilt["save"] is None and rebuilt["save_interval"] is None
