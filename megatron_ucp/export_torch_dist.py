@@ -120,9 +120,9 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     if not saved and not extra:
         raise ConfigError(f"{iteration_dir(root, it)}: the manifest stores no training arguments; "
                           "give the model's flags after '--' (--num-layers ... --hidden-size ...)")
-    _refuse_checkpoint_flags(extra)
     argv = carried_argv(saved) + list(extra) + ["--cpu", "--mock-data", "--ckpt-format", "torch_dist"]
     try:
+        _refuse_checkpoint_flags(extra)
         args = build_parser().parse_args(argv)
     except SystemExit:  # argparse has printed which flag it could not read
         raise ConfigError(f"bad flags after '--': {' '.join(extra)}") from None
