@@ -111,7 +111,7 @@ def _layout_words(args, optim_format: str) -> str:
 def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None) -> Plan:
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
     from megatron_ucp.manifest import read_manifest
-    from megatron_ucp.train.args import build_parser, pad_vocab_size, validate
+    from megatron_ucp.train.args import build_parser, validate
     from megatron_ucp.train.checkpointing import iteration_dir
 
     root, it = resolve(ckpt, iteration)
