@@ -1,5 +1,6 @@
 """CPU quick-start: train a small GPT on one parallel layout, save a universal checkpoint,
-resume on a different layout, and print both loss curves side by side.
+resume on a different layout, and print both loss curves side by side (and plot them, in
+loss_curves.png beside the checkpoints, when matplotlib is installed).
 
     python examples/cpu_demo.py [--workdir DIR] [--iters 20] [--save-at 10]
 
@@ -43,6 +44,30 @@ def read_log(path: Path) -> dict:
     return {r["iteration"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
+def plot_losses(loss_a: dict, loss_b: dict, save_at: int, path: Path) -> bool:
+    """Both loss curves in one PNG (800 x 450 pixels); False when matplotlib is not installed,
+    an optional dependency: the table above says the same."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return False
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)  # the Agg backend, without pyplot's global state
+    ax = fig.add_subplot()
+    ax.plot(sorted(loss_a), [loss_a[i] for i in sorted(loss_a)], "-o", ms=3, label="A: TP2 (uninterrupted)")
+    ax.plot(sorted(loss_b), [loss_b[i] for i in sorted(loss_b)], "x", ms=7,
+            label=f"B: PP2 (resumed from iteration {save_at})")
+    ax.axvline(save_at, color="gray", ls=":", lw=1)
+    ax.set(xlabel="iteration", ylabel="lm loss", title="universal checkpoint: resume on another layout")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=None)
@@ -72,6 +97,11 @@ def main() -> int:
         print(f" {it:9d} | {loss_a[it]:23.6f} | {right}")
     worst = max(abs(loss_a[i] - loss_b[i]) for i in loss_b)
     print(f"\nmax |A - B| over the {len(loss_b)} resumed iterations: {worst:.2e}; checkpoints in {ckpt}")
+    png = work / "loss_curves.png"
+    if plot_losses(loss_a, loss_b, a.save_at, png):
+        print(f"loss curves plotted in {png}")
+    else:
+        print("matplotlib is not installed: the PNG of the loss curves was skipped")
     return 0 if worst <= 1e-4 else 1
 
 

@@ -14,8 +14,6 @@ over those processes; the streaming converter names this flag where it refuses a
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -40,8 +38,9 @@ def stored_args(iteration_dir: str) -> dict:
     return dict(args) if isinstance(args, dict) else {}
 
 
-def argv_from_args(args: dict) -> list:
-    """Command-line flags that rebuild the model and layout the arguments describe."""
+def argv_from_args(args: dict, only=None) -> list:
+    """Command-line flags that rebuild the model and layout the arguments describe (of the
+    argument names in `only`, when given)."""
     from megatron_ucp.train.args import build_parser
 
     argv = []
@@ -49,9 +48,11 @@ def argv_from_args(args: dict) -> list:
         dest = action.dest
         if dest in _NOT_CARRIED or dest not in args or not action.option_strings:
             continue
+        if only is not None and dest not in only:
+            continue
         value, flag = args[dest], action.option_strings[0]
-        if action.nargs == 0:  # store_true
-            if value:
+        if action.nargs == 0:  # store_true, or store_false (--no-store-param-remainders)
+            if value == action.const:
                 argv.append(flag)
         elif dest == "vocab_size" and args.get("eod_token") is not None:
             argv += [flag, str(args["eod_token"])]  # the flag's value: the NullTokenizer adds EOD
@@ -114,18 +115,14 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     world = nproc or int(args.get("world_size") or 0)
     if world < 1:
         raise ConfigError("the checkpoint does not store its world size: pass --nproc")
+    from megatron_ucp.launch import run_workers
+
     start = time.perf_counter()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "megatron_ucp.convert",
-           "--worker", "--input", root, "--output", output_dir, "--iteration", str(it), "--"]
-    cmd += argv + ["--cpu", "--ckpt-format", "torch_dist", "--load", root, "--ckpt-step", str(it)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise FormatError(f"conversion of {iteration_dir(root, it)} failed (exit code {proc.returncode})")
+    code = run_workers(world, "megatron_ucp.convert", [
+        "--worker", "--input", root, "--output", output_dir, "--iteration", str(it), "--", *argv,
+        "--cpu", "--ckpt-format", "torch_dist", "--load", root, "--ckpt-step", str(it)])
+    if code != 0:
+        raise FormatError(f"conversion of {iteration_dir(root, it)} failed (exit code {code})")
     seconds = time.perf_counter() - start
     out = iteration_dir(output_dir, it)
     from megatron_ucp.manifest import read_manifest

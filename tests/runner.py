@@ -148,6 +148,16 @@ def convert(step):
     return {}
 
 
+def export_torch_dist(step):
+    """The torch_dist exporter's plan and workers, in this process group (the tool starts its own)."""
+    from megatron_ucp import export_torch_dist as export
+
+    job = export.plan(step["input"], step["output"], step.get("iteration"), step["argv"],
+                      dist.get_world_size(), step.get("optim_format"))
+    export.worker(job.root, job.iteration, job.output, job.argv)
+    return {"layout": job.layout}
+
+
 def _megatron_expert_tensors(state) -> dict:
     """megatron's own sharded view of the expert weights, assembled: {key: (values, covered)}.
 
@@ -275,7 +285,7 @@ def logits(step):
 
 OPS = {"names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
-       "grouped": grouped, "logits": logits}
+       "grouped": grouped, "logits": logits, "export_torch_dist": export_torch_dist}
 
 
 def main(spec_path: str, result_path: str) -> int:

@@ -24,7 +24,13 @@ def _model_sharded_state_dict(model):
     return {_model_key(model, i): unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
-def _sharded_state_dict(args, state, iteration, consumed, is_loading, optimizer=True):
+def _content_metadata(args, optim_format=None) -> dict:
+    """What Megatron-LM records of a checkpoint's content (`content_metadata` in common.pt): how
+    the distributed optimizer's state is sharded, so that a load need not be told."""
+    return {"distrib_optim_sharding_type": optim_format or args.dist_ckpt_optim_format}
+
+
+def _sharded_state_dict(args, state, iteration, consumed, is_loading, optimizer=True, metadata=None):
     """What megatron saves or loads. Without `optimizer`, the optimizer is not asked at all: asked
     for a loading state dict, megatron's optimizers create Adam's moments (and no 'step'), which
     the first step after a --no-load-optim load then trips over."""
@@ -32,7 +38,7 @@ def _sharded_state_dict(args, state, iteration, consumed, is_loading, optimizer=
     model_sd = {}
     for value in sd.values():
         model_sd.update(value)
-    metadata = {"distrib_optim_sharding_type": args.dist_ckpt_optim_format}
+    metadata = metadata or _content_metadata(args)
     if optimizer:
         sd["optimizer"] = state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                              metadata=metadata)
@@ -52,7 +58,7 @@ def save(args, state, iteration, consumed, directory: str) -> None:
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(sd, directory)
+    dist_checkpointing.save(sd, directory, content_metadata=_content_metadata(args))
 
 
 MAX_CONFIG_BYTES = 2**20  # metadata.json: a few keys
@@ -79,11 +85,15 @@ def load(args, state, directory: str):
     """Restore model, optimizer, scheduler and RNG; return (iteration, consumed_samples)."""
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: no torch_dist checkpoint folder")
-    sd = _sharded_state_dict(args, state, 0, 0, is_loading=True, optimizer=not args.no_load_optim)
-    if args.no_load_rng:
-        sd.pop("rng_state")
     check_folder(directory)
     with safe_pickle.megatron_reader():  # DCP metadata and objects unpickled restrictedly
+        # The sharding the checkpoint was saved with (checkpoints without the record: the flag's).
+        saved = dist_checkpointing.load_content_metadata(directory) or {}
+        metadata = _content_metadata(args, saved.get("distrib_optim_sharding_type"))
+        sd = _sharded_state_dict(args, state, 0, 0, is_loading=True, optimizer=not args.no_load_optim,
+                                 metadata=metadata)
+        if args.no_load_rng:
+            sd.pop("rng_state")
         loaded = dist_checkpointing.load(sd, directory)
     for i, chunk in enumerate(state.model):
         unwrap(chunk).load_state_dict(loaded[_model_key(state.model, i)])

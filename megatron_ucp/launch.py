@@ -1,0 +1,32 @@
+"""Start CPU worker processes of a given layout under torchrun, for the converters.
+
+Converting through megatron's own code (its loader, its torch_dist writer) needs processes of
+the layout on one side of the conversion; both directions (`convert.py --via-megatron`,
+`export_torch_dist.py`) start them the same way: `python -m <module> <argv>` on a free local
+port, one thread per process, gloo.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(nproc: int, module: str, argv: list) -> int:
+    """Run `python -m module argv` in `nproc` local processes; returns torchrun's exit code.
+
+    The workers' output goes to this process's stdout and stderr as it comes.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # The workers import this package as the caller does (a tools/ script puts it on sys.path).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return subprocess.run(cmd + list(argv), env=env).returncode
