@@ -128,6 +128,7 @@ def main(spec: dict, out_path: str) -> None:
         # rate drifts by 2x within minutes here, so each save is set against its neighbour.
         results["universal_first_save_s"] = save(uni)
         results["checkpoint_bytes"] = checkpoint_bytes(iteration_dir(uni, 1))
+        dist.barrier()  # every rank has sized the folder before the first round removes it
         results["disk_rounds"], results["universal_save_rounds_s"] = [], []
         for _ in range(spec["rounds"]):
             remove(uni)
