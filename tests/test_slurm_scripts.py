@@ -61,8 +61,8 @@ def test_after_training(rc, signalled, iterations, restarts, expected):
     assert out.stdout.strip() == expected
 
 
-def _job(tmp_path, **stub):
-    """Start pretrain.sbatch with the stand-ins first on PATH; returns (process, stub folder)."""
+def _job(tmp_path, script="pretrain.sbatch", **stub):
+    """Start `script` with the stand-ins first on PATH; returns (process, stub folder)."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL)):
@@ -72,7 +72,7 @@ def _job(tmp_path, **stub):
                REPO_DIR=str(REPO), RUN_DIR=str(tmp_path / "run"), SLURM_JOB_ID="17",
                SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_RESTART_COUNT="0",
                **{k: str(v) for k, v in stub.items()})
-    proc = subprocess.Popen(["bash", str(SLURM / "pretrain.sbatch")], env=env, text=True,
+    proc = subprocess.Popen(["bash", str(SLURM / script)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return proc, tmp_path
 
@@ -135,3 +135,21 @@ def test_sigterm_stop_is_not_requeued(tmp_path):
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     assert _requeues(stub_dir) == [] and not (stub_dir / "scancel.log").exists(), out
+
+
+def test_resume_other_layout_time_limit_and_sigterm(tmp_path):
+    """resume_other_layout.sbatch: the time-limit warning requeues, a SIGTERM does not."""
+    for name, signum, requeues in (("limit", signal.SIGUSR1, ["requeue 17"]), ("term", signal.SIGTERM, [])):
+        ckpt = tmp_path / name / "ckpt"
+        ckpt.mkdir(parents=True)
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+        proc, stub_dir = _job(tmp_path / name, "resume_other_layout.sbatch", STUB_WAIT_TERM=1,
+                              CKPT_DIR=ckpt, PYTHON="true")
+        _wait_started(proc, stub_dir)
+        proc.send_signal(signum)
+        if signum == signal.SIGTERM:
+            time.sleep(0.5)
+            os.kill(int((stub_dir / "srun.pid").read_text()), signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0, out
+        assert _requeues(stub_dir) == requeues, out
