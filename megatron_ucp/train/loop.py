@@ -87,8 +87,9 @@ def _loss_func(loss_mask, output_tensor):
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
     # loss_mask: megatron masks the MTP losses with it (the main loss is masked in _loss_func).
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"])
+    # attention_mask: None (causal) unless --reset-attention-mask gives each document its own.
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 
