@@ -26,7 +26,8 @@ if [ -n "${STUB_WAIT_TERM:-}" ]; then
     echo $$ > "$STUB_DIR/srun.pid"
     trap 'echo "{\"iteration\": 99}" >> "$log"; exit 1' TERM  # torchrun: workers saved, exits 1
     touch "$STUB_DIR/started"
-    while :; do sleep 0.1; done
+    for _ in $(seq 600); do sleep 0.1; done  # a minute at most, should the script never signal
+    exit 3
 fi
 exit "${STUB_RC:-0}"
 """
