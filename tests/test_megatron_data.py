@@ -127,6 +127,27 @@ def test_eod_mask_loss_and_reset_position_ids(corpus, tmp_path, process_group):
     assert s["position_ids"][eod + 1] == 0 and s["position_ids"][eod] == eod
 
 
+def test_reset_attention_mask_keeps_documents_apart(corpus, tmp_path, process_group):
+    """Megatron-LM's --reset-attention-mask: a token after an EOD attends only to its own
+    document (mask True = blocked, megatron's convention); causal within a document."""
+    train, _ = build_gpt_datasets(data_args(corpus, "--data-cache-path", str(tmp_path),
+                                            "--reset-attention-mask"))
+    i = next(i for i in range(80) if bool((train[i]["tokens"][:-2] == VOCAB).any()))
+    tokens, mask = train[i]["tokens"], train[i]["attention_mask"]
+    assert mask.shape == (1, 16, 16) and mask.dtype == torch.bool
+    mask = mask[0]
+    eod = int((tokens == VOCAB).nonzero()[0])
+    assert not mask[eod, : eod + 1].any() and mask[eod, eod + 1:].all()  # the EOD ends its document
+    assert mask[eod + 1, : eod + 1].all() and not mask[eod + 1, eod + 1]  # the next one starts anew
+    assert mask[eod + 2, : eod + 1].all() and not mask[eod + 2, eod + 1: eod + 3].any()
+    batch = microbatches(train, 0, 8, 2, 0, 4)[0]
+    assert batch["attention_mask"].shape == (2, 1, 16, 16)
+    plain, _ = build_gpt_datasets(data_args(corpus, "--data-cache-path", str(tmp_path)))
+    assert "attention_mask" not in plain[i] and torch.equal(plain[i]["tokens"], tokens)
+    with pytest.raises(ConfigError, match="--reset-attention-mask needs --data-path"):
+        validate(build_parser().parse_args(BASE + ["--reset-attention-mask"]), 1)
+
+
 def test_bad_data_is_a_clear_error(corpus, tmp_path, process_group):
     with pytest.raises(ConfigError, match=r"nothere\.bin not found"):
         build_gpt_datasets(validate(build_parser().parse_args(
@@ -227,6 +248,29 @@ def test_resume_on_another_layout_continues_data_and_validation(corpus, tmp_path
     tb_resumed = scalars(tmp_path / "tb_tp2")
     assert sorted(tb_resumed["load-checkpoint-seconds"]) == [5]
     assert abs(tb_resumed["lm loss validation"][10] - val_ref[10]) <= 1e-4
+
+
+def test_reset_attention_mask_reaches_attention_on_any_layout(corpus, tmp_path):
+    """The document mask changes the losses (it reaches the core attention), and a run resumed
+    on TP2 continues the DP2 run with it."""
+    argv = [a for a in BASE if a != "--mock-data"] + [
+        "--data-path", "0.5", str(corpus / "A"), "0.5", str(corpus / "B"), "--split", "90,5,5",
+        "--tokenizer-type", "NullTokenizer", "--data-cache-path", str(tmp_path / "cache"),
+        "--train-iters", "4"]
+    ckpt = str(tmp_path / "ckpt")
+    steps = [
+        {"name": "plain", "op": "train", "argv": argv},
+        {"name": "dp2", "op": "train", "argv": argv + [
+            "--reset-attention-mask", "--save", ckpt, "--save-interval", "2"]},
+        {"name": "tp2", "op": "train", "argv": argv + [
+            "--reset-attention-mask", "--tensor-model-parallel-size", "2", "--load", ckpt,
+            "--ckpt-step", "2", "--load-universal"]},
+    ]
+    results = run_steps(2, steps, tmp_path, timeout=600)
+    plain, masked, resumed = (losses(results, n) for n in ("plain", "dp2", "tp2"))
+    assert abs(plain[1] - masked[1]) > 1e-4, (plain, masked)  # same weights, other attention
+    assert sorted(resumed) == [3, 4]
+    assert max(abs(masked[i] - resumed[i]) for i in resumed) <= 1e-4, (masked, resumed)
 
 
 def test_stored_arguments_rebuild_the_same_vocabulary(corpus):

@@ -9,12 +9,16 @@
 # The node offers every CPU of the machine (CPUS, default: nproc) and most of its memory, in a
 # partition `debug`. Process tracking is Linux's own (no cgroups), so it runs in containers.
 # State and logs live under SLURM_LOCAL_DIR (default /tmp/slurm-local).
+# A requeued job is not eligible again before the job credential expires (AuthInfo cred_expire,
+# Slurm's default 120 s) and the scheduler's next look at the queue; this cluster sets
+# CRED_EXPIRE (default 30 s) and looks every 5 s, so that a requeued job restarts after about 35 s.
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/slurm-local}
 CONF=/etc/slurm/slurm.conf
 HOST=$(hostname -s)
 CPUS=${CPUS:-$(nproc)}
+CRED_EXPIRE=${CRED_EXPIRE:-30}
 MEM_MB=${MEM_MB:-$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 3 / 4 ))}
 
 install() {
@@ -30,6 +34,8 @@ write_conf() {
 ClusterName=local
 SlurmctldHost=$HOST
 AuthType=auth/munge
+# a requeued job waits this long (seconds) before it may start again (default 120)
+AuthInfo=cred_expire=$CRED_EXPIRE
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -43,11 +49,12 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SchedulerType=sched/backfill
+# look for startable jobs every 5 s (defaults: 60 s, backfill 30 s), e.g. a requeued job once eligible
+SchedulerParameters=bf_interval=5,sched_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-# a requeued job may start again at once
 MinJobAge=60
 NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO

@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pretokenized data: token ids < --vocab-size, EOD = --vocab-size (the model "
                         "then has --vocab-size + 1 entries, as in Megatron-LM)")
     g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="no attention across an EOD: each document of a sample attends to itself "
+                        "(GPTDataset's per-sample mask, seq-length^2 booleans)")
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations and at the end (default: none)")
@@ -451,6 +454,8 @@ def validate_data(args) -> None:
     if args.tokenizer_type == "NullTokenizer" and getattr(args, "eod_token", None) is None:
         args.eod_token = args.vocab_size
         args.vocab_size += 1
+    _need(not args.reset_attention_mask or args.data_path,
+          "--reset-attention-mask needs --data-path (the mock data has no documents)")
     _need(args.eval_interval is None or args.eval_interval >= 1,
           f"--eval-interval must be >= 1, got {args.eval_interval}")
     _need(args.eval_iters >= 1 or args.eval_interval is None,

@@ -108,7 +108,8 @@ class GPTSamples:
             raise ValueError(
                 f"--data-path holds token id {int(ids[bad][0])}, outside the model's vocabulary of "
                 f"size {self.vocab_size} ({self.name} sample {i})")
-        return {k: sample[k] for k in self.KEYS}
+        # attention_mask: [1, s, s], True where attention is blocked (--reset-attention-mask)
+        return {k: sample[k] for k in self.KEYS + ("attention_mask",) if k in sample}
 
 
 class OffsetSamples:
@@ -145,8 +146,8 @@ def gpt_dataset_config(args):
         random_seed=args.seed, sequence_length=args.seq_length,
         blend=get_blend_from_list(args.data_path), split=args.split,
         path_to_cache=args.data_cache_path, tokenizer=NullTokenizer(args.eod_token),
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=False,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=False)
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.reset_attention_mask)
 
 
 def used_splits(config, args) -> None:
@@ -256,7 +257,7 @@ def make_batch(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
     """A GPT micro-batch in Megatron's layout from samples of ``seq_length + 1`` tokens (mock) or
     GPTDataset's sample dicts."""
     if isinstance(samples[0], dict):  # GPTDataset: masks and positions come with the sample
-        return {k: torch.stack([s[k] for s in samples]) for k in GPTSamples.KEYS}
+        return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
     data = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
     tokens = data[:, :-1].contiguous()
     labels = data[:, 1:].contiguous()

@@ -87,8 +87,9 @@ def _loss_func(loss_mask, output_tensor):
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
     # loss_mask: megatron masks the MTP losses with it (the main loss is masked in _loss_func).
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   loss_mask=batch["loss_mask"])
+    # attention_mask: None (causal) unless --reset-attention-mask gives each document its own.
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -207,21 +208,23 @@ def session(argv=None):
     """
     progress.started()
     args = build_parser().parse_args(argv)
-    if args.cpu:
-        from megatron_ucp import cpu_mode
-
-        cpu_mode.enable()
-    compat.apply()
-    init_distributed(args.cpu, args.distributed_timeout_minutes)
-    checkpointing.prepare_load(args)
-    if args.elastic:
-        elastic_layout(args, dist.get_world_size())
-    validate(args, dist.get_world_size())
-    checkpointing.keep_saved_vocab_padding(args)
-    initialize(args)
     state = None
     with contextlib.ExitStack() as stack:
+        # From here on: Slurm's time-limit SIGTERM can come while a slow start (rendezvous,
+        # build, load) is still under way; it stops the job after its first iteration.
         stack.enter_context(progress.signal_handler(args.exit_signal_handler))
+        if args.cpu:
+            from megatron_ucp import cpu_mode
+
+            cpu_mode.enable()
+        compat.apply()
+        init_distributed(args.cpu, args.distributed_timeout_minutes)
+        checkpointing.prepare_load(args)
+        if args.elastic:
+            elastic_layout(args, dist.get_world_size())
+        validate(args, dist.get_world_size())
+        checkpointing.keep_saved_vocab_padding(args)
+        initialize(args)
         if args.fused_adam_standin:
             from megatron_ucp import fused_adam_standin
 

@@ -135,6 +135,11 @@ def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
 
 def _megatron_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
     te = _have_te() and not args.cpu
+    if te and getattr(args, "reset_attention_mask", False):
+        # megatron's TE layers attend with mask type "causal", for which transformer-engine
+        # ignores a given mask: the documents would see each other without a word.
+        raise ConfigError("--reset-attention-mask needs the local attention (--cpu here): megatron's "
+                          "transformer-engine layer spec is causal and TE ignores the document mask")
     if args.num_experts is not None:
         if args.moe_grouped_gemm and not te:
             from megatron.core.transformer.moe import grouped_gemm_util

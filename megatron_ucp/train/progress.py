@@ -3,8 +3,9 @@
 - `num_floating_point_operations(args, batch_size)`: the model FLOPs of one iteration, Megatron-LM's
   formula for GPT (training.py, after "APPENDIX: FLOATING-POINT OPERATIONS" of arXiv:2104.04473);
   summed into `num_floating_point_operations_so_far` and kept in the checkpoint.
-- `Stopper`: `--exit-signal-handler` (SIGTERM: Slurm's `--signal=TERM@N`, preemption, torchrun
-  forwarding its own) and `--exit-duration-in-mins`. Every rank must stop after the same
+- `Stopper`: `--exit-signal-handler` (SIGTERM: Slurm's `--signal=TERM@N`, the example sbatch
+  scripts passing on their time-limit warning, scancel, preemption, torchrun forwarding its own)
+  and `--exit-duration-in-mins`. Every rank must stop after the same
   iteration, so after each one the ranks all-reduce (MAX) a flag, as Megatron-LM's
   DistributedSignalHandler does; rank 0's clock decides the duration.
 """
