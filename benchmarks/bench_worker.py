@@ -16,11 +16,11 @@ import torch.distributed as dist  # noqa: E402
 
 from disk import CHUNK, drop_cache, sequential_read, sequential_write  # noqa: E402
 from megatron_ucp import storage  # noqa: E402
+from megatron_ucp.folder import iteration_dir, write_tracker  # noqa: E402
 from megatron_ucp.load import load_universal  # noqa: E402
 from megatron_ucp.optimizer_state import inner_optimizers  # noqa: E402
 from megatron_ucp.save import save_universal  # noqa: E402
 from megatron_ucp.train import loop, native  # noqa: E402
-from megatron_ucp.train.checkpointing import iteration_dir, write_tracker  # noqa: E402
 
 
 def timed(fn):

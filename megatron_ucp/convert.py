@@ -79,8 +79,8 @@ def legacy_overrides(extra_argv) -> dict:
 
 
 def _resolve(input_dir: str, iteration):
+    from megatron_ucp.folder import iteration_dir, read_tracker
     from megatron_ucp.legacy_convert import is_legacy
-    from megatron_ucp.train.checkpointing import iteration_dir, read_tracker
 
     if os.path.exists(os.path.join(input_dir, "common.pt")) or is_legacy(input_dir):  # an iter_ folder
         name = os.path.basename(os.path.normpath(input_dir))
@@ -95,7 +95,7 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
             progress=True, via_megatron=False) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
     from megatron_ucp.legacy_convert import is_legacy
-    from megatron_ucp.train.checkpointing import iteration_dir
+    from megatron_ucp.folder import iteration_dir
 
     root, it = _resolve(input_dir, iteration)
     if is_legacy(iteration_dir(root, it)):
@@ -136,9 +136,9 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
 def _worker(output_dir: str, argv: list) -> None:
     import torch.distributed as dist
 
+    from megatron_ucp.folder import iteration_dir
     from megatron_ucp.save import save_universal
     from megatron_ucp.train import loop, native
-    from megatron_ucp.train.checkpointing import iteration_dir
 
     with loop.session(argv) as (args, state):
         it, consumed = native.load(args, state, iteration_dir(args.load, args.ckpt_step))

@@ -45,7 +45,8 @@ class Plan:
 def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
     from megatron_ucp.manifest import MANIFEST
-    from megatron_ucp.train.checkpointing import found_format, iteration_dir, read_tracker
+    from megatron_ucp.folder import iteration_dir, read_tracker
+    from megatron_ucp.train.checkpointing import found_format
 
     if not os.path.isdir(ckpt):
         raise IncompleteCheckpointError(f"{ckpt}: no such checkpoint folder")
@@ -112,7 +113,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
     from megatron_ucp.manifest import read_manifest
     from megatron_ucp.train.args import build_parser, validate
-    from megatron_ucp.train.checkpointing import iteration_dir
+    from megatron_ucp.folder import iteration_dir
 
     root, it = resolve(ckpt, iteration)
     m = read_manifest(iteration_dir(root, it))
@@ -154,7 +155,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
 def export(p: Plan) -> dict:
     """Run the export's worker processes; returns a summary (files, bytes, seconds)."""
     from megatron_ucp.launch import run_workers
-    from megatron_ucp.train.checkpointing import iteration_dir
+    from megatron_ucp.folder import iteration_dir
 
     start = time.perf_counter()
     code = run_workers(p.nproc, "megatron_ucp.export_torch_dist", [
@@ -172,6 +173,7 @@ def worker(root: str, iteration: int, output: str, argv: list) -> None:
     """In each process of the target layout: universal load, then megatron's torch_dist save."""
     import torch.distributed as dist
 
+    from megatron_ucp.folder import iteration_dir
     from megatron_ucp.load import load_universal
     from megatron_ucp.train import checkpointing, loop
 
@@ -182,7 +184,7 @@ def worker(root: str, iteration: int, output: str, argv: list) -> None:
         if dist.get_rank() == 0:
             rng = "reseeded (another layout)" if result.layout_changed else "restored (same layout)"
             print(f" loaded universal iteration {result.iteration} from "
-                  f"{checkpointing.iteration_dir(root, iteration)}: {result.bytes_read / 1e6:.1f} MB "
+                  f"{iteration_dir(root, iteration)}: {result.bytes_read / 1e6:.1f} MB "
                   f"on rank 0, RNG {rng}", flush=True)
         args.save, args.load = output, None  # stored in common.pt: where this checkpoint is
         checkpointing.save(args, state, result.iteration, result.consumed_samples)

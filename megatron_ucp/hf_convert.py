@@ -98,7 +98,7 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
     from tqdm import tqdm
 
     from megatron_ucp import inspection
-    from megatron_ucp.train.checkpointing import iteration_dir
+    from megatron_ucp.folder import iteration_dir
 
     if dtype not in HF_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {sorted(HF_DTYPES)}")

@@ -11,8 +11,7 @@ import os
 from megatron_ucp import manifest as mf
 from megatron_ucp import storage
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
-
-TRACKER = "latest_checkpointed_iteration.txt"  # as megatron_ucp.train.checkpointing (imports torch)
+from megatron_ucp.folder import TRACKER, iteration_dir
 
 
 def resolve(path: str) -> str:
@@ -25,7 +24,7 @@ def resolve(path: str) -> str:
         raise IncompleteCheckpointError(
             f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
     raw = storage.read_bounded(tracker, "tracker file", storage.MAX_TRACKER_BYTES, path)
-    return os.path.join(path, f"iter_{mf.tracker_iteration(raw, tracker):07d}")
+    return iteration_dir(path, mf.tracker_iteration(raw, tracker))
 
 
 def _file_bytes(entry: dict) -> int:

@@ -18,8 +18,9 @@ from megatron_ucp import manifest as mf
 from megatron_ucp import checksums, host_memory, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.folder import iteration_dir, read_tracker
 from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
-from megatron_ucp.model_map import local_tensors
+from megatron_ucp.model_map import local_tensors, unwrap
 from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, write_step
 
 
@@ -130,7 +131,6 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     m = mf.read_manifest(root)
     path = os.path.join(root, mf.MANIFEST)
     from megatron_ucp.save import current_layout
-    from megatron_ucp.train.model import unwrap
 
     if m["iteration"] != iteration:
         raise FormatError(f"{path}: 'iteration' is {m['iteration']}, expected {iteration} "
@@ -289,8 +289,6 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     asked for (optimizer state with `load_optim`, scheduler state with `load_scheduler` as
     well, RNG state of this rank with `load_rng` on the same layout) must be there.
     """
-    from megatron_ucp.train.checkpointing import iteration_dir, read_tracker
-
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)

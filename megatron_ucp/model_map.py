@@ -265,11 +265,18 @@ def legacy_grouped_tensors(names: List[str], which: str, param, fragment, gated:
     return out
 
 
+def unwrap(chunk: torch.nn.Module):
+    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
+    from megatron.core.models.gpt import GPTModel
+
+    while not isinstance(chunk, GPTModel):
+        chunk = chunk.module
+    return chunk
+
+
 def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = False) -> List[LocalTensor]:
     """Every parameter (and persistent buffer) this rank holds, named and mapped; `vocab_size`
     is the true vocabulary. `for_load`: the optimizer state is about to be overwritten."""
-    from megatron_ucp.train.model import unwrap
-
     fragments = optimizer_fragments(optimizer, for_load) if optimizer is not None else {}
     out = []
     for chunk in model_chunks:

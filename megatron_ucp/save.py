@@ -27,8 +27,9 @@ from megatron_ucp import manifest as mf
 from megatron_ucp import host_memory, ownership, rng, storage
 from megatron_ucp.collective import on_rank_zero, run_everywhere
 from megatron_ucp.errors import SaveError
+from megatron_ucp.folder import iteration_dir, write_tracker
 from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
-from megatron_ucp.model_map import local_tensors
+from megatron_ucp.model_map import local_tensors, unwrap
 from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, plain_groups,
                                           read_step, uses_distributed_optimizer)
 from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
@@ -417,8 +418,6 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
              keep_last, group):
     """Column blocks exchanged, files, checksums and commit; every step agreed by all ranks
     over `group`."""
-    from megatron_ucp.train.checkpointing import iteration_dir
-
     rank, world = dist.get_rank(), dist.get_world_size()
     layouts = {name: mf.file_layout(e) for name, e in entries.items()}
     creators = assign_files({n: layout.file_size for n, layout in layouts.items()}, world)
@@ -447,8 +446,6 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
 def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                    consumed_samples, args, save_rng=True, progress=None) -> dict:
     """Everything in the manifest but the checksums, taken when the save is called."""
-    from megatron_ucp.train.model import unwrap
-
     layout = current_layout(optimizer)
     for e in entries.values():
         if e.get("vocab"):
@@ -474,8 +471,6 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
 
 def _commit(save_dir, tmp, final, iteration, manifest, all_checksums, keep_last) -> None:
     """Rank 0: manifest into the temporary folder, rename it into place, then the tracker."""
-    from megatron_ucp.train.checkpointing import write_tracker
-
     for c in all_checksums:
         for name, info in c.items():
             manifest["tensors"][name].update(info)

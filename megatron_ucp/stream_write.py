@@ -22,6 +22,7 @@ import numpy as np
 from megatron_ucp import manifest as mf
 from megatron_ucp import storage
 from megatron_ucp.errors import ConfigError, FormatError
+from megatron_ucp.folder import iteration_dir, write_tracker
 from megatron_ucp.layout import PADDING
 
 
@@ -104,8 +105,6 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
     `started` (a `time.perf_counter()` value: the conversion's start, planning included)."""
     global _JOB
     from tqdm import tqdm
-
-    from megatron_ucp.train.checkpointing import iteration_dir, write_tracker
 
     start = time.perf_counter() if started is None else started
     final = iteration_dir(output_dir, iteration)

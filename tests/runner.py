@@ -168,7 +168,7 @@ def _megatron_expert_tensors(state) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from megatron_ucp.train.model import unwrap
+    from megatron_ucp.model_map import unwrap
 
     out = {}
     for chunk in state.model:
@@ -225,7 +225,7 @@ def names(step):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from megatron_ucp.train.model import unwrap
+    from megatron_ucp.model_map import unwrap
 
     with loop.session(step["argv"]) as (args, state):
         mine = {t.name for t in local_tensors(state.model, None, args.vocab_size) if t.writes}

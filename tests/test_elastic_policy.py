@@ -173,7 +173,8 @@ def test_latest_checkpoint_found_or_none(tmp_path):
     """What --elastic resumes: nothing yet (start fresh), a universal checkpoint, or a clear error."""
     from megatron_ucp.errors import FormatError, IncompleteCheckpointError
     from megatron_ucp.storage import atomic_write_json
-    from megatron_ucp.train.checkpointing import latest_checkpoint, write_tracker
+    from megatron_ucp.folder import write_tracker
+    from megatron_ucp.train.checkpointing import latest_checkpoint
 
     args = parsed(["--mock-data", "--load", str(tmp_path / "ckpt")])
     assert latest_checkpoint(args) is None  # no folder yet

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from harness import BASE, REPO, free_port, ok, run_steps
-from megatron_ucp import inspection, rng, safe_pickle, storage
+from megatron_ucp import folder, inspection, rng, safe_pickle, storage
 from megatron_ucp import manifest as mf
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, UCPError
 from megatron_ucp.train import checkpointing
@@ -306,7 +306,7 @@ def _reads(d: Path, rel: str):
         return [lambda: rng.load(str(it / "rng"), 0),
                 lambda: _raise_problems(inspection._verify_rng(str(it), {"world_size": 1}))]
     if rel.endswith(".txt"):
-        return [lambda: checkpointing.read_tracker(str(d)), lambda: inspection.resolve(str(d))]
+        return [lambda: folder.read_tracker(str(d)), lambda: inspection.resolve(str(d))]
     entry = mf.read_manifest(str(it))["tensors"][TENSOR]
     return [lambda: inspection.check_header(str(it), TENSOR, entry),
             lambda: _raise_problems(inspection.verify(str(d)))]

@@ -1,4 +1,6 @@
-"""Where checkpoints go: Megatron's `iter_XXXXXXX/` folders and tracker, in either format."""
+"""How training saves and resumes: the --save/--load flags, in any of the three formats.
+
+The checkpoint folder itself (tracker, `iter_XXXXXXX/` folders) is megatron_ucp/folder.py."""
 
 import argparse
 import os
@@ -7,31 +9,7 @@ import time
 import torch.distributed as dist
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-from megatron_ucp.manifest import tracker_iteration
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int:
-    from megatron_ucp.storage import MAX_TRACKER_BYTES, read_bounded
-
-    path = os.path.join(root, TRACKER)
-    try:
-        raw = read_bounded(path, "tracker file", MAX_TRACKER_BYTES, root)
-    except IncompleteCheckpointError:
-        raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?") from None
-    return tracker_iteration(raw, path)
-
-
-def write_tracker(root: str, iteration: int) -> None:
-    """Atomically point the tracker at `iteration` (rank 0 only): the commit of a save."""
-    from megatron_ucp.storage import atomic_write_bytes
-
-    atomic_write_bytes(os.path.join(root, TRACKER), f"{iteration}\n".encode())
+from megatron_ucp.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 
 
 def claim_save_folder(args) -> None:

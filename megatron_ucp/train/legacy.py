@@ -26,8 +26,8 @@ from megatron.core import parallel_state
 from megatron_ucp import rng, safe_pickle
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.legacy_convert import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
+from megatron_ucp.model_map import unwrap
 from megatron_ucp.optimizer_state import uses_distributed_optimizer
-from megatron_ucp.train.model import unwrap
 
 CHECKPOINT_VERSION = 3.0
 

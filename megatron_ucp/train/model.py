@@ -224,13 +224,6 @@ def build_model(args, config: TransformerConfig) -> List[torch.nn.Module]:
     ]
 
 
-def unwrap(chunk: torch.nn.Module) -> GPTModel:
-    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
-    while not isinstance(chunk, GPTModel):
-        chunk = chunk.module
-    return chunk
-
-
 def optimizer_config(args) -> OptimizerConfig:
     """Megatron-LM's optimizer settings. With the CPU stand-in for TE's FusedAdam, the
     precision-aware optimizer is switched on after megatron's check for TE (fused_adam_standin)."""

@@ -12,7 +12,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ucp import rng, safe_pickle, storage
 from megatron_ucp.errors import IncompleteCheckpointError
-from megatron_ucp.train.model import unwrap
+from megatron_ucp.model_map import unwrap
 
 
 def _model_key(model, i: int) -> str:
