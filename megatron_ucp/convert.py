@@ -19,13 +19,6 @@ import time
 
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, UCPError, report
 
-# Arguments that describe where checkpoints go, not the model or the layout.
-_NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_universal",
-                "ckpt_format", "exit_interval", "keep_last", "async_save", "cpu", "world_size",
-                "data_parallel_size", "num_microbatches", "padded_vocab_size",
-                "virtual_pipeline_model_parallel_size", "no_verify_checkpoint", "no_strict_load", "finetune"}
-
-
 def stored_args(iteration_dir: str) -> dict:
     """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in common.pt."""
     from megatron_ucp.safe_pickle import load_file
@@ -36,46 +29,6 @@ def stored_args(iteration_dir: str) -> dict:
     common = load_file(path, "torch_dist common state")
     args = common.get("args") if isinstance(common, dict) else None
     return dict(args) if isinstance(args, dict) else {}
-
-
-def argv_from_args(args: dict, only=None) -> list:
-    """Command-line flags that rebuild the model and layout the arguments describe (of the
-    argument names in `only`, when given)."""
-    from megatron_ucp.train.args import build_parser
-
-    argv = []
-    for action in build_parser()._actions:
-        dest = action.dest
-        if dest in _NOT_CARRIED or dest not in args or not action.option_strings:
-            continue
-        if only is not None and dest not in only:
-            continue
-        value, flag = args[dest], action.option_strings[0]
-        if action.nargs == 0:  # store_true, or store_false (--no-store-param-remainders)
-            if value == action.const:
-                argv.append(flag)
-        elif dest == "vocab_size" and args.get("eod_token") is not None:
-            argv += [flag, str(args["eod_token"])]  # the flag's value: the NullTokenizer adds EOD
-        elif isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):  # --data-path W1 P1 W2 P2
-            argv += [flag, *map(str, value)]
-        elif isinstance(value, (list, tuple)):  # --moe-layer-freq's per-layer pattern, one word
-            argv += [flag, str(list(value))]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def legacy_overrides(extra_argv) -> dict:
-    """Flags after '--' for a legacy checkpoint: only those given, by argument name."""
-    from megatron_ucp.train.args import build_parser
-
-    p = build_parser()
-    p.add_argument("--consumed-train-samples", type=int)
-    p.add_argument("--data-parallel-size", type=int)
-    p.add_argument("--ddp-bucket-size", type=int)
-    for action in p._actions:
-        action.default = argparse.SUPPRESS
-    return vars(p.parse_args(list(extra_argv)))
 
 
 def _resolve(input_dir: str, iteration):
@@ -94,8 +47,9 @@ def _resolve(input_dir: str, iteration):
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
             progress=True, via_megatron=False) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
-    from megatron_ucp.legacy_convert import is_legacy
     from megatron_ucp.folder import iteration_dir
+    from megatron_ucp.legacy_convert import is_legacy
+    from megatron_ucp.source_model import argv_from_args, legacy_overrides
 
     root, it = _resolve(input_dir, iteration)
     if is_legacy(iteration_dir(root, it)):

@@ -23,8 +23,6 @@ Optimizer state, by megatron-core's distributed-optimizer sharding:
   found there against the model's.
 """
 
-import contextlib
-import copy
 import math
 import os
 import re
@@ -39,6 +37,7 @@ from megatron_ucp import storage, stream_write
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, infer_rule, layer_offset, local_shape, pieces
 from megatron_ucp.optimizer_state import plain_groups, saved_steps
+from megatron_ucp.source_model import argv_from_args, meta_model, single_process_megatron, source_args
 
 DIST_PREFIX = "optimizer.distributed.dp_group_idx_"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -224,9 +223,6 @@ class Plan:
 
 def _source_args(iter_dir: str, common: dict, extra_argv, nproc):
     """The source run's arguments (stored args, overridden by flags), validated for its world."""
-    from megatron_ucp.convert import argv_from_args
-    from megatron_ucp.train.args import build_parser, validate
-
     stored = dict(common.get("args") or {})
     if not stored and not extra_argv:
         raise ConfigError(f"{iter_dir}: stores no training arguments; pass the model and layout flags after "
@@ -234,52 +230,8 @@ def _source_args(iter_dir: str, common: dict, extra_argv, nproc):
     world = nproc or int(stored.get("world_size") or 0)
     if world < 1:
         raise ConfigError(f"{iter_dir}: the checkpoint does not store its world size: pass --nproc")
-    argv = argv_from_args(stored) + list(extra_argv) + ["--cpu"]
-    source = build_parser().parse_args(argv)
-    validate(source, world)
+    source = source_args(argv_from_args(stored) + list(extra_argv) + ["--cpu"], world)
     return stored, source, world
-
-
-@contextlib.contextmanager
-def _single_process_megatron():
-    """megatron's parallel state for one process (TP = PP = EP = 1), torn down afterwards."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_ucp import compat, cpu_mode
-
-    if dist.is_initialized():
-        raise ConfigError("the torch_dist converter runs outside a torch.distributed job")
-    cpu_mode.enable()
-    compat.apply()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _meta_model(source, padded_vocab: int):
-    """The whole model (one stage, no parallelism) on the meta device: names, shapes, keys."""
-    import torch
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_ucp.train import model as model_lib
-
-    a = copy.copy(source)
-    a.tensor_model_parallel_size = a.pipeline_model_parallel_size = 1
-    a.expert_model_parallel_size, a.expert_tensor_parallel_size = 1, 1
-    a.virtual_pipeline_model_parallel_size = None
-    a.sequence_parallel = False
-    config = model_lib.transformer_config(a)
-    with torch.device("meta"):
-        return GPTModel(
-            config=config, transformer_layer_spec=model_lib.layer_spec(a, config, None), vocab_size=padded_vocab,
-            max_sequence_length=a.max_position_embeddings, pre_process=True, post_process=True,
-            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-            position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base)
 
 
 def _sharded_by_tensor(gpt) -> dict:
@@ -385,8 +337,8 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     padded = reader.shape(EMBEDDING)[0] if reader.has_tensor(EMBEDDING) else source.padded_vocab_size
     if padded < source.vocab_size:
         raise LayoutError(f"{reader.dir}: {EMBEDDING} has {padded} rows, fewer than --vocab-size {source.vocab_size}")
-    with _single_process_megatron():
-        gpt = _meta_model(source, padded)
+    with single_process_megatron():
+        gpt = meta_model(source, padded)
         sharded = _sharded_by_tensor(gpt)
         tensors = local_tensors([gpt], None, source.vocab_size)
         architecture = mf.architecture(gpt, source.vocab_size)

@@ -73,7 +73,7 @@ def resolve(ckpt: str, iteration=None):
 
 def carried_argv(saved_args: dict) -> list:
     """The checkpoint's model and training flags, as pretrain_gpt_ucp.py arguments."""
-    from megatron_ucp.convert import argv_from_args
+    from megatron_ucp.source_model import argv_from_args
     from megatron_ucp.train.args import build_parser
 
     groups = [g for g in build_parser()._action_groups if g.title in _CARRIED_GROUPS]

@@ -21,6 +21,7 @@ from megatron_ucp import hf_map
 from megatron_ucp import manifest as mf
 from megatron_ucp import storage
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
+from megatron_ucp.source_model import given_args
 
 HF_DTYPES = {"fp32": ("F32", 4, "float32"), "bf16": ("BF16", 2, "bfloat16")}
 MAX_CONFIG_BYTES = 2**20
@@ -219,18 +220,6 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
                               f"config.json implies {list(shape)}")
 
 
-def _given_args(argv: list) -> dict:
-    """The arguments `argv` sets, by name (defaults left out: --use-checkpoint-args takes only these)."""
-    import argparse
-
-    from megatron_ucp.train.args import build_parser
-
-    p = build_parser()
-    for action in p._actions:
-        action.default = argparse.SUPPRESS
-    return vars(p.parse_args(argv))
-
-
 def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -> dict:
     """Write the weights of a HF model folder as a universal checkpoint at iteration 0."""
     from megatron_ucp import stream_write
@@ -256,7 +245,7 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
               "use_distributed_optimizer": False, "padded_vocab_size": model.vocab_size}
     head = {"format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
             "architecture": hf_map.architecture(model), "layout": layout, "optimizer": None, "scheduler": None,
-            "args": mf.jsonable(_given_args(argv)), "rng_saved": False,
+            "args": mf.jsonable(given_args(argv)), "rng_saved": False,
             "source": {"huggingface": os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]}}
     summary = stream_write.write_checkpoint(output, 0, metas, opener, head, {}, workers, progress, start)
     summary["family"] = hf_map.ARCHITECTURES[model.family]

@@ -82,15 +82,12 @@ def model_geometry(a: dict, world: int, vocab: int, padded: int):
     model's architecture record (manifest.architecture). The model
     is built from the checkpoint's arguments on the meta device, in one process (TP = PP = 1);
     how the source layout split each tensor follows from the saved local shapes (infer_rule)."""
-    from megatron_ucp.convert import argv_from_args
-    from megatron_ucp.dist_convert import _meta_model, _single_process_megatron
     from megatron_ucp.model_map import geometry
-    from megatron_ucp.train.args import build_parser, validate
+    from megatron_ucp.source_model import argv_from_args, meta_model, single_process_megatron, source_args
 
-    source = build_parser().parse_args(argv_from_args(a) + ["--cpu"])
-    validate(source, world)
-    with _single_process_megatron():
-        gpt = _meta_model(source, padded)
+    source = source_args(argv_from_args(a) + ["--cpu"], world)
+    with single_process_megatron():
+        gpt = meta_model(source, padded)
         found = {id(g.tensor): g for g in geometry(gpt, vocab)}
         described = {n: found[id(p)] for n, p in gpt.named_parameters() if id(p) in found}
         return described, mf.architecture(gpt, vocab)

@@ -358,7 +358,7 @@ def test_variant_flags_reach_the_transformer_config():
 def test_stored_arguments_rebuild_the_variant():
     """Converters rebuild a model from its stored arguments; --use-checkpoint-args takes the
     architecture from them."""
-    from megatron_ucp.convert import argv_from_args
+    from megatron_ucp.source_model import argv_from_args
     from megatron_ucp.train.checkpointing import use_checkpoint_args
 
     stored = vars(parse(DEEPSEEK + UNEVEN, 4))
