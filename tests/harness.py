@@ -106,3 +106,17 @@ def assert_same_state(a_dir: Path, b_dir: Path) -> None:
         assert a[key].shape == b[key].shape, f"{key}: {a[key].shape} != {b[key].shape}"
         diff = np.flatnonzero(a[key].view(np.uint32) != b[key].view(np.uint32))
         assert diff.size == 0, f"{key}: {diff.size} elements differ, first at flat index {diff[0]}"
+
+
+def assert_config_error_names(call, names) -> None:
+    """`call()` raises one ConfigError, on one line, that names each of `names`."""
+    import pytest
+
+    from megatron_ucp.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, message
