@@ -664,7 +664,7 @@ def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: 
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, extra_argv, nproc)
     reader = DcpReader(iter_dir)
-    metas = {n: stream_write.tensor_meta(n, e.shape, e.padded_rows is not None, e.padding_rows, e.states, e.buffer)
+    metas = {n: mf.tensor_entry(n, e.shape, e.padded_rows is not None, e.padding_rows, e.states, e.buffer)
              for n, e in plan.atomics.items()}
 
     def opener(name):

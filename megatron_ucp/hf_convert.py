@@ -230,7 +230,7 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
     reader = HFReader(hf_dir)
     check_hf_tensors(model, reader)
     ps = {p.megatron: p for p in hf_map.pairs(model)}
-    metas = {n: stream_write.tensor_meta(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}
+    metas = {n: mf.tensor_entry(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}
 
     def opener(name):
         def assemble(state):

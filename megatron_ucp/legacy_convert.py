@@ -536,7 +536,7 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
     """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, overrides)
-    metas = {n: stream_write.tensor_meta(n, e.shape, e.rule.kind == "vocab", e.padding_rows, mf.STATES)
+    metas = {n: mf.tensor_entry(n, e.shape, e.rule.kind == "vocab", e.padding_rows, mf.STATES)
              for n, e in plan.atomics.items()}
 
     def opener(name):

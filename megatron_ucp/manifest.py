@@ -26,6 +26,18 @@ def tensor_file(name: str) -> str:
     return f"tensors/{name}.safetensors"
 
 
+def tensor_entry(name: str, shape, vocab: bool, padding_rows: int, states, buffer: bool = False) -> dict:
+    """The manifest entry of one atomic tensor, before its file's size and checksums are known
+    (`vocab`: its rows are the vocabulary; `buffer`: a model buffer without optimizer state)."""
+    entry = {"file": tensor_file(name), "shape": [int(d) for d in shape], "dtype": "F32",
+             "padding_rows": int(padding_rows), "states": list(states)}
+    if vocab:
+        entry["vocab"] = True
+    if buffer:
+        entry["buffer"] = True
+    return entry
+
+
 def file_entries(shape, states, padding_rows: int) -> list:
     """The tensors inside one atomic file: each state, then each state's vocabulary padding."""
     entries = [(s, tuple(shape), "F32") for s in states]

@@ -79,22 +79,9 @@ def _offers(tensors, states, with_optimizer: bool):
 
 
 def _tensor_entries(tensors, states) -> dict:
-    entries = {}
-    for t in tensors:
-        if not t.writes:
-            continue
-        entries[t.name] = {
-            "file": mf.tensor_file(t.name),
-            "shape": list(t.atomic_shape),
-            "dtype": "F32",
-            "padding_rows": t.padding_rows,
-            "states": ["param"] if t.stateless else list(states),
-        }
-        if t.padded_rows is not None:
-            entries[t.name]["vocab"] = True
-        if t.stateless:
-            entries[t.name]["buffer"] = True
-    return entries
+    return {t.name: mf.tensor_entry(t.name, t.atomic_shape, t.padded_rows is not None, t.padding_rows,
+                                    ["param"] if t.stateless else states, t.stateless)
+            for t in tensors if t.writes}
 
 
 def _optimizer_record(optimizer) -> dict:

@@ -75,17 +75,6 @@ def write_tensor_file(path: str, meta: dict, assemble: Callable[[str], Dict[str,
     return out.finish()
 
 
-def tensor_meta(name: str, shape, vocab: bool, padding_rows: int, states, buffer: bool = False) -> dict:
-    """The manifest entry of one atomic tensor (`vocab`: its rows are the vocabulary)."""
-    meta = {"file": mf.tensor_file(name), "shape": [int(d) for d in shape], "dtype": "F32",
-            "padding_rows": int(padding_rows), "states": list(states)}
-    if vocab:
-        meta["vocab"] = True
-    if buffer:
-        meta["buffer"] = True
-    return meta
-
-
 _JOB = None  # (metas, opener) set in the parent before the pool forks; workers read it
 
 
