@@ -158,6 +158,11 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
 
 # ---- import ------------------------------------------------------------------------------------
 
+def _check_regular(path: str, folder: str) -> None:
+    """A model folder is input from strangers: each file it names must be a regular file in it."""
+    os.close(storage.open_regular(path, "HF safetensors file", folder))
+
+
 class HFReader:
     """The tensors of a HF model folder (one safetensors file or an index of shards), by name."""
 
@@ -173,11 +178,14 @@ class HFReader:
         elif os.path.lexists(single):
             from safetensors import safe_open
 
+            _check_regular(single, folder)
             with safe_open(single, framework="pt") as f:
                 self.files = {k: single for k in f.keys()}
         else:
             raise IncompleteCheckpointError(f"{folder}: neither model.safetensors nor model.safetensors.index.json "
                                             "(only safetensors folders are read)")
+        for path in set(self.files.values()):  # safe_open would block on a FIFO, read /dev/zero...
+            _check_regular(path, folder)
         self._shapes = {}
 
     def shape(self, name: str) -> tuple:

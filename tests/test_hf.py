@@ -326,4 +326,10 @@ def test_import_bad_input(work, imported):
     bad = _copy_hf(src, work / "bad_rope", config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
     with pytest.raises(ConfigError, match="rope scaling"):
         import_(str(bad), str(work / "out_rope"), progress=False)
-    assert not any((work / f"out_{w}").exists() for w in ("arch", "missing", "shape", "extra", "rope"))
+    fifo = _copy_hf(src, work / "bad_fifo")  # a shard that is a FIFO would block safetensors forever
+    for f in fifo.glob("*.safetensors"):
+        f.unlink()
+        os.mkfifo(f)
+    with pytest.raises(FormatError, match=r"\.safetensors is a FIFO, expected a regular file"):
+        import_(str(fifo), str(work / "out_fifo"), progress=False)
+    assert not any((work / f"out_{w}").exists() for w in ("arch", "missing", "shape", "extra", "rope", "fifo"))
