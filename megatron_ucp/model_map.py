@@ -134,11 +134,11 @@ def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
     return tuple(boxes)
 
 
-def _geometry(gpt, vocab_size: int, params: dict) -> List[_Geometry]:
-    """Every tensor megatron checkpoints for this model chunk, mapped (see module docstring)."""
+def _geometry(gpt, vocab_size: int, params: set, singleton: dict, grouped: set) -> List[_Geometry]:
+    """Every tensor megatron checkpoints for this model chunk but the legacy grouped experts
+    (`grouped`: their ids), mapped (see module docstring); `singleton`: megatron's global names."""
     default = _sharded_tensors(gpt, {})
-    singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
-    out, grouped = [], _legacy_grouped_ids(gpt)
+    out = []
     for key, (tensor, sharded) in default.items():
         if key in grouped:
             continue
@@ -177,49 +177,43 @@ def _canonical(g: _Geometry, names: set) -> _Geometry:
     return g
 
 
-def _legacy_grouped_ids(gpt) -> set:
+def _legacy_grouped_weights(gpt, singleton: dict) -> list:
+    """megatron's legacy GroupedMLP weights: (which, parameter, its experts' names, local experts).
+
+    Its sharded state dict holds copies (transposed experts), not views, so its geometry is the
+    oracle's (legacy_grouped_tensors); the names are megatron's (singleton spelling)."""
     from megatron.core.transformer.moe.experts import GroupedMLP
 
-    return {id(p) for m in gpt.modules() if isinstance(m, GroupedMLP) for p in (m.weight1, m.weight2)}
+    out = []
+    for m in gpt.modules():
+        if isinstance(m, GroupedMLP):
+            for which, param in (("1", m.weight1), ("2", m.weight2)):
+                names = list(dict.fromkeys(_SWIGLU_HALF.sub("", st.key) for st in singleton[id(param)][1]))
+                out.append((which, param, names, m.num_local_experts))
+    return out
 
 
-def geometry(gpt, vocab_size: int) -> List[_Geometry]:
-    """The mapping of one model chunk, computed once: megatron's description of a model does
-    not change while it trains."""
+def _mapping(gpt, vocab_size: int) -> tuple:
+    """(geometry, legacy grouped weights) of one model chunk, computed once: megatron's
+    description of a model does not change while it trains."""
     cached = getattr(gpt, "_ucp_geometry", None)
     if cached is not None and cached[0] == vocab_size:
-        return cached[1]
-    params = {id(p) for p in gpt.parameters()}
-    found = _geometry(gpt, vocab_size, params)
-    mapped = {id(g.tensor) for g in found} | _legacy_grouped_ids(gpt)
+        return cached[1], cached[2]
+    singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
+    grouped = _legacy_grouped_weights(gpt, singleton)
+    grouped_ids = {id(param) for _, param, _, _ in grouped}
+    found = _geometry(gpt, vocab_size, {id(p) for p in gpt.parameters()}, singleton, grouped_ids)
+    mapped = {id(g.tensor) for g in found} | grouped_ids
     missing = [n for n, p in gpt.named_parameters() if id(p) not in mapped]
     if missing:
         raise LayoutError(f"megatron's sharded state dict does not describe parameters {missing[:5]}")
-    gpt.__dict__["_ucp_geometry"] = (vocab_size, found)
-    return found
+    gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
+    return found, grouped
 
 
-def _legacy_grouped(gpt, vocab_size, fragments) -> List[LocalTensor]:
-    """megatron's legacy GroupedMLP: its sharded state dict holds copies (transposed experts),
-    not views, so its geometry is the oracle's: `weight1` holds each local expert's fc1 as a
-    contiguous, transposed [hidden, fc1 rows] block (`weight2`: fc2 as [fc2 columns, hidden]).
-    Each expert becomes a LocalTensor over a transposed copy, copied back after a load; names
-    are megatron's (singleton spelling)."""
-    from megatron.core.transformer.moe.experts import GroupedMLP
-
-    ids = _legacy_grouped_ids(gpt)
-    if not ids:
-        return []
-    singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
-    gated = bool(gpt.config.gated_linear_unit)
-    out = []
-    for m in gpt.modules():
-        if not isinstance(m, GroupedMLP):
-            continue
-        for which, param in (("1", m.weight1), ("2", m.weight2)):
-            names = list(dict.fromkeys(_SWIGLU_HALF.sub("", st.key) for st in singleton[id(param)][1]))
-            out += legacy_grouped_tensors(names, which, param, fragments.get(param), gated, m.num_local_experts)
-    return out
+def geometry(gpt, vocab_size: int) -> List[_Geometry]:
+    """megatron's description of every tensor of one model chunk (but legacy grouped experts)."""
+    return _mapping(gpt, vocab_size)[0]
 
 
 def legacy_grouped_tensors(names: List[str], which: str, param, fragment, gated: bool,
@@ -281,8 +275,11 @@ def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = Fal
     out = []
     for chunk in model_chunks:
         gpt = unwrap(chunk)
-        for g in geometry(gpt, vocab_size):
+        found, grouped = _mapping(gpt, vocab_size)
+        for g in found:
             out.append(LocalTensor(g.name, g.tensor, g.atomic_shape, g.boxes, g.padded_rows, g.writes,
                                    None if g.stateless else fragments.get(g.tensor), g.stateless))
-        out += _legacy_grouped(gpt, vocab_size, fragments)
+        gated = bool(gpt.config.gated_linear_unit)
+        for which, param, names, num_local in grouped:
+            out += legacy_grouped_tensors(names, which, param, fragments.get(param), gated, num_local)
     return out
