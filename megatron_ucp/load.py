@@ -1,9 +1,12 @@
-"""Universal load: each rank reads only the bytes of the slices it owns in the new layout.
+"""Universal load: each rank gets only the bytes of the slices it owns in the new layout.
 
 For every local parameter: the whole TP-local slice of the fp32 master weight (the model needs
-all of it), and only the distributed-optimizer fragment of the Adam moments. The step count,
-scheduler, iteration and consumed samples are global; RNG is restored on the same layout and
-reseeded deterministically on a different one.
+all of it), and only the distributed-optimizer fragment of the Adam moments. With the read
+policy "once" (the default), what data-parallel replicas all hold (weights; moments too without
+the distributed optimizer) is read from storage once per replica group, each member reading a
+share and broadcasting it to the others (read_plan.py, replicas.py); with "per-rank" each rank
+reads everything it holds. The step count, scheduler, iteration and consumed samples are
+global; RNG is restored on the same layout and reseeded deterministically on a different one.
 """
 
 import os
@@ -15,13 +18,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import checksums, host_memory, rng, storage
+from megatron_ucp import checksums, host_memory, replicas, rng, storage
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.folder import iteration_dir, read_tracker
 from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
 from megatron_ucp.model_map import local_tensors, unwrap
-from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, write_step
+from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, uses_distributed_optimizer, write_step
+from megatron_ucp.read_plan import Need
+
+READ_POLICIES = ("once", "per-rank")
 
 
 @dataclass
@@ -32,6 +38,9 @@ class LoadResult:
     bytes_read: int
     manifest: dict
     bytes_hashed_after: int = 0  # verification: bytes this rank read again to hash them
+    read_policy: str = "once"
+    bytes_exchanged: int = 0  # bytes this rank received from its replicas instead of storage
+    read_notes: tuple = ()  # why a replica group read per rank under the policy "once"
 
 
 def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
@@ -74,11 +83,90 @@ def _read_range(path, entry, layout, t, state, start, stop, counter, out=None, h
 
 
 def _ranges(t):
-    """(state, local start, local stop) of every read a load of `t` makes."""
+    """(state, local start, local stop) of every range of its checkpoint `t` holds."""
     yield "param", 0, t.param.numel()
     if t.fragment is not None:
         for state in ("exp_avg", "exp_avg_sq"):
             yield state, t.fragment.start, t.fragment.stop
+
+
+def _region(t, state: str, start: int, stop: int) -> torch.Tensor:
+    """The model's tensor of local flat elements [start, stop) of `state` (1-D view)."""
+    if state == "param":
+        return t.param.data.view(-1)[start:stop]
+    f = t.fragment
+    return getattr(f, state).view(-1)[start - f.start:stop - f.start]
+
+
+def _deliver(t, state: str, start: int, stop: int, data: torch.Tensor) -> None:
+    """Hand fp32 values of local flat elements [start, stop) of `state` to the model: its
+    tensor (unless `data` is it), and the distributed optimizer's fp32 master copy."""
+    region = _region(t, state, start, stop)
+    if region.data_ptr() != data.data_ptr() or region.device != data.device:
+        region.copy_(data)
+    f = t.fragment
+    if state == "param" and f is not None and not f.main_is_model:
+        lo, hi = max(start, f.start), min(stop, f.stop)
+        if lo < hi:
+            f.main[lo - f.start:hi - f.start].copy_(data[lo - start:hi - start])
+
+
+@dataclass
+class _ReadPlan:
+    """What this rank reads from storage, and what it exchanges with its replicas."""
+
+    reads: list  # per local tensor: [(state, start, stop, staged)]; staged: kept for an exchange
+    exchanges: list  # (group, its global ranks, [(key, share)]) in the agreed order; key (tensor index, state, start, stop)
+    notes: list  # why a replica group reads per rank
+
+
+def _needs(tensors, policy: str, distributed_moments: bool):
+    """Per replica group (dense, expert): the ranges all its members hold, as (Need, tensor
+    index); and the per-tensor reads this rank makes alone (distributed-optimizer moments are
+    this rank's own; everything, with the policy "per-rank")."""
+    if policy not in READ_POLICIES:
+        raise ValueError(f"read policy {policy!r}: expected one of {READ_POLICIES}")
+    reads = [[] for _ in tensors]
+    needs = {False: [], True: []}
+    for i, t in enumerate(tensors):
+        what = repr((t.atomic_shape, t.padded_rows, t.boxes))
+        for state, start, stop in _ranges(t):
+            if policy == "once" and (state == "param" or not distributed_moments):
+                needs[t.expert].append((Need(t.name, state, start, stop, what), i))
+            else:
+                reads[i].append((state, start, stop, False))
+    return reads, needs
+
+
+def _read_plan(tensors, policy: str, distributed_moments: bool) -> _ReadPlan:
+    """Collective (one digest per replica group under "once"): this rank's reads and exchanges."""
+    reads, needs = run_everywhere(_needs, tensors, policy, distributed_moments)
+    plan = _ReadPlan(reads, [], [])
+    if policy != "once":
+        return plan
+    for expert in (False, True):  # every rank, in this order: each takes part in both groups
+        group = replicas.replica_group(expert)
+        pairs = needs[expert]
+        shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group)
+        if shares is None:
+            for n, i in pairs:
+                reads[i].append((n.state, n.start, n.stop, False))
+            if why is not None:
+                plan.notes.append(why)
+            continue
+        device = replicas.group_device(group)
+        me = ranks.index(dist.get_rank())
+        items = []
+        for j, share in shares:
+            n, i = pairs[j]
+            key = (i, n.state, share.start, share.stop)
+            if share.reader == me:
+                region = _region(tensors[i], n.state, share.start, share.stop)
+                staged = region.dtype != torch.float32 or region.device != device
+                reads[i].append((n.state, share.start, share.stop, staged))
+            items.append((key, share))
+        plan.exchanges.append((group, ranks, items))
+    return plan
 
 
 def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
@@ -193,37 +281,38 @@ def _check_files(root: str, m: dict) -> list:
     return mine
 
 
-def _check_headers(root: str, m: dict, tensors) -> None:
+def _check_headers(root: str, m: dict, tensors, plan: _ReadPlan) -> None:
     """Without verification, the header of each file this rank reads (a few KB) is still
     checked against the manifest: the reads take their offsets from the manifest's layout, so a
     valid file with a longer header would be misread silently. Also refuses FIFOs and devices."""
     from megatron_ucp.inspection import check_header
 
-    names = sorted({t.name for t in tensors})
+    names = sorted({t.name for t, reads in zip(tensors, plan.reads) if reads})
     storage.in_parallel(lambda name: check_header(root, name, m["tensors"][name]), names)
 
 
-def _read_spans(m: dict, layouts, tensors) -> dict:
+def _read_spans(m: dict, layouts, tensors, plan: _ReadPlan) -> dict:
     """The file byte spans of this rank's load reads, per tensor, long enough to hash inline."""
     out: dict = {}
     shortest = _inline_hash_bytes()
-    for t in tensors:
+    for t, reads in zip(tensors, plan.reads):
         entry = m["tensors"][t.name]
         layout = layouts[t.name]
-        for state, start, stop in _ranges(t):
+        for state, start, stop, _ in reads:
             for name, runs in _file_runs(entry, t, state, start, stop)[0]:
                 out.setdefault(t.name, []).extend(
                     s for s in storage.read_spans(layout, name, runs) if s[1] - s[0] >= shortest)
     return out
 
 
-def _hash_plan(root: str, m: dict, layouts, tensors) -> _HashPlan:
+def _hash_plan(root: str, m: dict, layouts, tensors, reads: _ReadPlan) -> _HashPlan:
     """Collective: files checked (sizes, headers), then every byte of every tensor file given
-    one rank to hash, as it loads it where it can."""
+    one rank to hash, as it loads it where it can (the reads of `reads`: under read-once, each
+    replicated byte is read, and so hashed, by one member of its replica group)."""
     checks = run_everywhere(_check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
     spans = [None] * world
-    dist.all_gather_object(spans, run_everywhere(_read_spans, m, layouts, tensors))
+    dist.all_gather_object(spans, run_everywhere(_read_spans, m, layouts, tensors, reads))
     inline, unread = {}, {}
     for name, entry in m["tensors"].items():
         holders = {r: s[name] for r, s in enumerate(spans) if name in s}
@@ -276,7 +365,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                    iteration: Optional[int] = None, load_optim: bool = True,
                    load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
                    counter: Optional[storage.ReadCounter] = None,
-                   load_scheduler: bool = True) -> LoadResult:
+                   load_scheduler: bool = True, read_policy: str = "once") -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
     Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
@@ -288,7 +377,12 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     loaded), to reseed deterministically. The manifest is checked as a whole first: what was
     asked for (optimizer state with `load_optim`, scheduler state with `load_scheduler` as
     well, RNG state of this rank with `load_rng` on the same layout) must be there.
+    `read_policy`: "once" reads what data-parallel replicas share once per replica group and
+    exchanges it over the group; "per-rank" has every rank read all it holds (faster where the
+    replicas share a node and its page cache holds the checkpoint; docs/design.md).
     """
+    if read_policy not in READ_POLICIES:
+        raise ValueError(f"read_policy {read_policy!r}: expected one of {READ_POLICIES}")
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
@@ -299,13 +393,21 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     if strict:
         _check_tensors(m, tensors, root, strict=True)
     layouts = _Layouts(m["tensors"])
+    reads = _read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
     if not verify:
-        run_everywhere(_check_headers, root, m, tensors)
-    plan = _hash_plan(root, m, layouts, tensors) if verify else None
+        run_everywhere(_check_headers, root, m, tensors, reads)
+    plan = _hash_plan(root, m, layouts, tensors, reads) if verify else None
     hashes: dict = {}
+    staged: dict = {}
+    run_everywhere(_read_tensors, root, m, layouts, tensors, reads, counter,
+                   plan.inline if plan else {}, hashes, staged)
+    exchanged = _exchange(tensors, reads, staged)
 
     def restore():
-        _load_tensors(root, m, layouts, tensors, counter, plan.inline if plan else {}, hashes)
+        for t in tensors:
+            t.apply_write_back()
+            if t.fragment is not None and t.fragment.store is not None:
+                t.fragment.store()  # the optimizer keeps its own copies (precision-aware: maybe bf16)
         if with_optim:
             _restore_optimizer_record(optimizer, m["optimizer"], root)
             if scheduler is not None and load_scheduler:
@@ -317,40 +419,57 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
         run_everywhere(rng.restore, rng_state)
     elif reseed is not None:
         reseed(int(m["iteration"]))
+    if reads.notes and dist.get_rank() == 0:
+        print(" warning: read-once load: " + "; ".join(reads.notes) + ": those ranks read per rank",
+              flush=True)
     return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m,
-                      rehashed)
+                      rehashed, read_policy, exchanged, tuple(reads.notes))
 
 
-def _load_tensors(root, m, layouts, tensors, counter, hash_spans: dict, hashes: dict) -> None:
-    """Each local tensor's weights and moments, read in place; several files in flight where
+def _read_tensors(root, m, layouts, tensors, plan: _ReadPlan, counter, hash_spans: dict,
+                  hashes: dict, staged: dict) -> None:
+    """This rank's reads from storage, in place where it can; several files in flight where
     this node has cores to spare (storage.read_threads), each thread counting its own bytes.
-    The `hash_spans` of each tensor are hashed as they are read, into `hashes`."""
-    def load_one(t):
-        mine, found = storage.ReadCounter(), []
+    The `hash_spans` of each tensor are hashed as they are read, into `hashes`; the reads an
+    exchange sends from a staging copy leave it in `staged`."""
+    def load_one(i):
+        t, mine, found = tensors[i], storage.ReadCounter(), []
         entry, layout = m["tensors"][t.name], layouts[t.name]
         path = storage.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
-        spans, f = hash_spans.get(t.name, ()), t.fragment
+        spans = hash_spans.get(t.name, ())
         with torch.no_grad():
-            for state, start, stop in _ranges(t):  # the reads _read_spans planned the hashing of
-                target = t.param.data if state == "param" else getattr(f, state)
-                in_place = _host_view(target)
+            for state, start, stop, keep in plan.reads[i]:  # the reads _read_spans planned the hashing of
+                in_place = _host_view(_region(t, state, start, stop))
                 data = _read_range(path, entry, layout, t, state, start, stop, mine, in_place,
                                    spans, found)
-                if in_place is None:
-                    target.copy_(torch.from_numpy(data).view(target.shape))
-                if state == "param" and f is not None and not f.main_is_model:
-                    f.main.copy_(torch.from_numpy(data[f.start:f.stop]))
-        t.apply_write_back()
-        if f is not None and f.store is not None:
-            f.store()  # the optimizer keeps its own copies (precision-aware: maybe bf16)
+                _deliver(t, state, start, stop, torch.from_numpy(data))
+                if keep:
+                    staged[(i, state, start, stop)] = data
         return t.name, mine, found
 
     # Largest first, so that the threads' tails are short.
-    order = sorted(tensors, key=lambda t: -t.param.numel())
+    order = sorted((i for i, reads in enumerate(plan.reads) if reads),
+                   key=lambda i: -sum(stop - start for _, start, stop, _ in plan.reads[i]))
     for name, done, found in storage.in_parallel(load_one, order, storage.read_threads()):
         counter.bytes += done.bytes
         counter.calls += done.calls
         hashes.setdefault(name, []).extend(found)
+
+
+def _exchange(tensors, plan: _ReadPlan, staged: dict) -> int:
+    """Collective over each replica group: every share broadcast from its reader to the other
+    members. Returns the bytes this rank received."""
+    def deliver(key, data):
+        i, state, start, stop = key
+        with torch.no_grad():
+            _deliver(tensors[i], state, start, stop, data)
+
+    received = 0
+    for group, ranks, items in plan.exchanges:
+        received += replicas.broadcast_shares(
+            group, ranks, [(key, _region(tensors[key[0]], *key[1:]), share) for key, share in items],
+            staged, deliver)
+    return received
 
 
 def _restore_optimizer_record(optimizer, record: dict, root: str) -> None:

@@ -46,6 +46,9 @@ class LocalTensor:
     fragment: Optional[Fragment]
     stateless: bool = False  # a persistent buffer (e.g. the router's expert bias): no optimizer state
     write_back: Optional[list] = None  # (canonical copy, model tensor) pairs to copy back after a load
+    # An expert parameter (megatron's `allreduce = False`): replicated over the expert
+    # data-parallel group, where other parameters are over the data-parallel (and context) one.
+    expert: bool = False
 
     def pieces(self, padding_rows_held: Optional[int] = None):
         """Its pieces of the atomic tensor (and of the vocabulary padding, `padding_rows_held`
@@ -255,7 +258,7 @@ def legacy_grouped_tensors(names: List[str], which: str, param, fragment, gated:
                             fragment.main_is_model, fragment.store)
         atomic = atomic_shape_from_local(rule, tuple(canonical.shape), tp)
         out.append(LocalTensor(name, canonical, atomic, tuple(boxes_of(rule, atomic, tp, tp_rank)), None,
-                               True, frag, write_back=pairs))
+                               True, frag, write_back=pairs, expert=not getattr(param, "allreduce", True)))
     return out
 
 
@@ -278,7 +281,8 @@ def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = Fal
         found, grouped = _mapping(gpt, vocab_size)
         for g in found:
             out.append(LocalTensor(g.name, g.tensor, g.atomic_shape, g.boxes, g.padded_rows, g.writes,
-                                   None if g.stateless else fragments.get(g.tensor), g.stateless))
+                                   None if g.stateless else fragments.get(g.tensor), g.stateless,
+                                   expert=not getattr(g.tensor, "allreduce", True)))
         gated = bool(gpt.config.gated_linear_unit)
         for which, param, names, num_local in grouped:
             out += legacy_grouped_tensors(names, which, param, fragments.get(param), gated, num_local)

@@ -19,7 +19,8 @@ from megatron_ucp.errors import ConfigError
 _NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_universal",
                 "ckpt_format", "exit_interval", "keep_last", "async_save", "cpu", "world_size",
                 "data_parallel_size", "num_microbatches", "padded_vocab_size",
-                "virtual_pipeline_model_parallel_size", "no_verify_checkpoint", "no_strict_load", "finetune"}
+                "virtual_pipeline_model_parallel_size", "no_verify_checkpoint", "no_strict_load", "finetune",
+                "ckpt_read_policy"}
 
 
 def argv_from_args(args: dict, only=None) -> list:

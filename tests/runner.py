@@ -61,12 +61,21 @@ def environment(values: dict):
 
 
 def roundtrip(step):
-    """Load universally on this layout, then save again: what the new layout holds, on disk."""
-    with environment(step.get("env", {})), loop.session(step["argv"]) as (args, state):
+    """Load universally on this layout, then save again: what the new layout holds, on disk.
+    `odd_digest_rank`: that rank claims other needs than its replicas (read-once falls back)."""
+    from megatron_ucp import replicas
+
+    odd = dist.get_rank() == step.get("odd_digest_rank")
+    with environment(step.get("env", {})), loop.session(step["argv"]) as (args, state), \
+            contextlib.ExitStack() as stack:
+        if odd:
+            digest = replicas.digest
+            replicas.digest = lambda needs: "odd" + digest(needs)
+            stack.callback(setattr, replicas, "digest", digest)
         counter = storage.ReadCounter()
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=args.ckpt_step,
-                                counter=counter)
+                                counter=counter, read_policy=args.ckpt_read_policy)
         tensors = local_tensors(state.model, state.optimizer, args.vocab_size)
         owned = owned_bytes(tensors, result.manifest)
         save_universal(step["save_to"], result.iteration, state.model, state.optimizer,
@@ -74,7 +83,9 @@ def roundtrip(step):
                        consumed_samples=result.consumed_samples)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, {"read": counter.bytes, "owned": owned,
-                                          "hashed_after": result.bytes_hashed_after})
+                                          "hashed_after": result.bytes_hashed_after,
+                                          "exchanged": result.bytes_exchanged,
+                                          "notes": list(result.read_notes)})
         return {"iteration": result.iteration, "per_rank": per_rank,
                 "layout_changed": result.layout_changed}
 

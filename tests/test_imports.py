@@ -20,12 +20,12 @@ TRAIN = f"{PACKAGE}.train"
 # module must be placed here (the test names it otherwise).
 LAYERS = [
     ("base", {"errors"}),
-    ("layout math", {"layout", "plan"}),
+    ("layout math", {"layout", "plan", "read_plan"}),
     ("on-disk format", {"storage", "checksums", "format_v1", "manifest", "folder", "inspection",
                         "safe_pickle"}),
     ("engine and megatron glue", {"collective", "ownership", "host_memory", "rng", "launch", "elastic",
                                   "compat", "cpu_mode", "fused_adam_standin", "optimizer_state",
-                                  "model_map", "save", "load", "api", ""}),  # "": megatron_ucp itself
+                                  "model_map", "replicas", "save", "load", "api", ""}),  # "": megatron_ucp itself
     ("converters", {"source_model", "stream_write", "legacy_convert", "dist_convert", "convert",
                     "hf_map", "hf_convert", "export_torch_dist"}),
     ("training application", {"train", "train.*"}),

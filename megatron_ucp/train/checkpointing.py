@@ -225,7 +225,8 @@ def load(args, state, reseed=None):
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                                 load_scheduler=not args.no_load_scheduler,
                                 strict=not args.no_strict_load,
-                                verify=not args.no_verify_checkpoint, reseed=reseed)
+                                verify=not args.no_verify_checkpoint, reseed=reseed,
+                                read_policy=args.ckpt_read_policy)
         iteration, consumed = result.iteration, result.consumed_samples
         state.progress = dict(result.manifest.get("progress") or {})
     else:

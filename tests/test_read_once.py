@@ -1,0 +1,166 @@
+"""Read-once loads (issue 24): data-parallel replicas split the reads of what they share and
+exchange it, so that a load reads each checkpoint byte from storage once per job.
+
+The planner is property-tested in-process; one 4-process group checks, for a DP load, a
+layout-changing load (TP2xPP2 -> TP1xDP4, with and without the distributed optimizer) and an
+expert-parallel MoE load, that the ranks together read the checkpoint's tensor bytes once, that
+the loaded state is bitwise the per-rank policy's, and that resumed losses continue with either
+policy.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import assert_same_state, losses, max_loss_delta, ok, roundtrip_step, run_steps, train_step
+from megatron_ucp import manifest as mf
+from megatron_ucp.errors import LayoutError
+from megatron_ucp.read_plan import Need, digest, disagreement, order, split
+
+N, K = 6, 3
+TOL, MOE_TOL = 1e-4, 1e-3
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DIST = ["--use-distributed-optimizer"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+       "--moe-ffn-hidden-size", "32"]
+EP2 = ["--expert-model-parallel-size", "2"]
+POLICIES = ("once", "per-rank")
+
+
+# -- the planner ------------------------------------------------------------------------------
+
+needs_strategy = st.lists(st.tuples(st.sampled_from("abcdefg"), st.sampled_from(["param", "exp_avg"]),
+                                    st.integers(0, 50), st.integers(0, 300)), max_size=12)
+
+
+def _needs(raw):
+    return [Need(name, state, start, start + n) for name, state, start, n in raw]
+
+
+@settings(max_examples=300, deadline=None)
+@given(needs_strategy, st.integers(1, 9))
+def test_every_element_is_read_by_exactly_one_member_and_reads_are_balanced(raw, members):
+    needs = _needs(raw)
+    shares = split(needs, members)
+    for i, n in enumerate(needs):  # the shares of each need tile it, in order
+        mine = [s for s in shares if s.need == i]
+        assert [(s.start, s.stop) for s in mine] == sorted((s.start, s.stop) for s in mine)
+        pos = n.start
+        for s in mine:
+            assert s.start == pos and s.stop > s.start and 0 <= s.reader < members
+            pos = s.stop
+        assert pos == n.stop
+    per = [sum(s.stop - s.start for s in shares if s.reader == k) for k in range(members)]
+    assert sum(per) == sum(n.numel for n in needs)
+    assert max(per) - min(per) <= 1  # balanced to the element
+    assert len(shares) <= sum(1 for n in needs if n.numel) + members - 1  # few cuts
+    readers = [s.reader for s in shares]
+    assert readers == sorted(readers)  # each member reads one run of the line
+
+
+@settings(max_examples=100, deadline=None)
+@given(needs_strategy, st.randoms())
+def test_members_agree_whatever_order_they_found_their_tensors_in(raw, rnd):
+    needs = _needs(raw)
+    shuffled = list(needs)
+    rnd.shuffle(shuffled)
+    a = [needs[i] for i in order(needs)]
+    b = [shuffled[i] for i in order(shuffled)]
+    assert a == b and digest(a) == digest(b)
+    assert split(a, 3) == split(b, 3)
+
+
+def test_a_member_with_other_needs_is_named():
+    a = [Need("w", "param", 0, 10, "boxes A")]
+    b = [Need("w", "param", 0, 10, "boxes B")]
+    assert digest(a) != digest(b)
+    assert disagreement([digest(a)] * 3, [0, 2, 4]) is None
+    why = disagreement([digest(a), digest(b), digest(a)], [0, 2, 4])
+    assert "ranks [2]" in why and "[0, 2, 4]" in why
+    with pytest.raises(LayoutError):
+        Need("w", "param", 5, 4)
+    with pytest.raises(LayoutError):
+        split(a, 0)
+
+
+# -- 4 processes ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("read_once")
+
+
+def _policy(p):
+    return ["--ckpt-read-policy", p]
+
+
+@pytest.fixture(scope="module")
+def w4(work):
+    d = lambda name: str(work / name)  # noqa: E731
+    steps = [train_step("a", TP2PP2 + DIST, iters=N, save=d("A"), interval=K),
+             train_step("m", MOE + EP2 + DIST, iters=N, save=d("M"), interval=K)]
+    for p in POLICIES:
+        steps += [
+            # Layout-changing loads: TP2xPP2 -> TP1xDP4, with and without the distributed optimizer.
+            roundtrip_step(f"r_dp4_{p}", DIST + _policy(p), d("A"), K, d(f"R_dp4_{p}"), iters=N),
+            roundtrip_step(f"r_nodist_{p}", _policy(p), d("A"), K, d(f"R_nodist_{p}"), iters=N),
+            # A DP load: TP1xDP4 -> TP1xDP4 (the checkpoint the first roundtrip saved).
+            roundtrip_step(f"r_same_{p}", DIST + _policy(p), d("R_dp4_once"), K, d(f"R_same_{p}"), iters=N),
+            # MoE, EP2xDP2 -> EP1xDP4: experts replicated over the expert data-parallel group.
+            roundtrip_step(f"r_moe_{p}", MOE + DIST + _policy(p), d("M"), K, d(f"R_moe_{p}"), iters=N),
+            train_step(f"b_{p}", DIST + _policy(p), iters=N, load=d("A"), step=K),
+            train_step(f"b_moe_{p}", MOE + DIST + _policy(p), iters=N, load=d("M"), step=K),
+        ]
+    # Rank 1 claims other needs than its replicas: its groups read per rank, and say why.
+    steps.append(dict(roundtrip_step("r_odd", DIST, d("A"), K, d("R_odd"), iters=N), odd_digest_rank=1))
+    return run_steps(4, steps, work / "w4")
+
+
+def _tensor_bytes(iter_dir: Path) -> int:
+    """The checkpoint's tensor data: every file's bytes but its header."""
+    m = json.loads((iter_dir / mf.MANIFEST).read_text())
+    total = 0
+    for entry in m["tensors"].values():
+        layout = mf.file_layout(entry)
+        total += layout.file_size - len(layout.header)
+    return total
+
+
+CASES = {"r_dp4": "A", "r_nodist": "A", "r_same": "R_dp4_once", "r_moe": "M"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_read_once_reads_the_checkpoint_once_and_loads_the_same_state(w4, work, case):
+    source = work / CASES[case] / f"iter_{K:07d}"
+    data = _tensor_bytes(source)
+    once, per_rank = ok(w4, f"{case}_once")["per_rank"], ok(w4, f"{case}_per-rank")["per_rank"]
+    assert sum(r["read"] for r in once) == data  # every byte once, nothing else
+    assert sum(r["read"] for r in per_rank) == sum(r["owned"] for r in per_rank) > data  # replicas re-read
+    assert all(r["exchanged"] == 0 for r in per_rank) and sum(r["exchanged"] for r in once) > 0
+    assert not any(r["notes"] for r in once + per_rank)
+    # Verification still hashes every byte from the load's own reads.
+    assert [r["hashed_after"] for r in once] == [0] * 4
+    assert_same_state(work / f"R_{case[2:]}_once" / f"iter_{K:07d}",
+                      work / f"R_{case[2:]}_per-rank" / f"iter_{K:07d}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_losses_continue_with_either_policy(w4, policy):
+    assert max_loss_delta(losses(w4, "a"), losses(w4, f"b_{policy}")) <= TOL
+    assert max_loss_delta(losses(w4, "m"), losses(w4, f"b_moe_{policy}")) <= MOE_TOL
+
+
+def test_both_policies_resume_identically(w4):
+    assert losses(w4, "b_once") == losses(w4, "b_per-rank")
+    assert losses(w4, "b_moe_once") == losses(w4, "b_moe_per-rank")
+
+
+def test_members_that_need_other_bytes_fall_back_to_per_rank_reads(w4, work):
+    per_rank = ok(w4, "r_odd")["per_rank"]
+    notes = {n for r in per_rank for n in r["notes"]}
+    assert any("ranks [1]" in n and "[0, 1, 2, 3]" in n for n in notes), notes
+    assert all(r["exchanged"] == 0 for r in per_rank)  # the dense group read per rank
+    assert_same_state(work / "R_odd" / f"iter_{K:07d}", work / "R_dp4_once" / f"iter_{K:07d}")
