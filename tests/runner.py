@@ -294,7 +294,29 @@ def logits(step):
     return {"logits": next(x for x in everyone if x is not None)}
 
 
-OPS = {"names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
+def corrupt_copy(step):
+    """Rank 0 copies checkpoint folder `src` to `dst`, then flips one bit of `tensor`'s file at
+    `fraction` of it ("flip") or cuts the file there ("truncate"), in every iteration."""
+    import shutil
+
+    if dist.get_rank() == 0:
+        shutil.copytree(step["src"], step["dst"])
+        for iteration in [d for d in os.listdir(step["dst"]) if d.startswith("iter_")]:
+            path = os.path.join(step["dst"], iteration, "tensors", f"{step['tensor']}.safetensors")
+            at = int(os.path.getsize(path) * step["fraction"])
+            if step["action"] == "flip":
+                with open(path, "r+b") as f:
+                    f.seek(at)
+                    byte = f.read(1)[0]
+                    f.seek(at)
+                    f.write(bytes([byte ^ 0x10]))
+            else:
+                os.truncate(path, at)
+    dist.barrier()
+    return {}
+
+
+OPS = {"corrupt_copy": corrupt_copy, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
        "grouped": grouped, "logits": logits, "export_torch_dist": export_torch_dist}
 

@@ -27,6 +27,8 @@ DIST = ["--use-distributed-optimizer"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
        "--moe-ffn-hidden-size", "32"]
 EP2 = ["--expert-model-parallel-size", "2"]
+BF16 = ["--bf16"]
+TENSOR = "decoder.layers.1.mlp.linear_fc1.weight"
 POLICIES = ("once", "per-rank")
 
 
@@ -109,11 +111,22 @@ def w4(work):
             roundtrip_step(f"r_nodist_{p}", _policy(p), d("A"), K, d(f"R_nodist_{p}"), iters=N),
             # A DP load: TP1xDP4 -> TP1xDP4 (the checkpoint the first roundtrip saved).
             roundtrip_step(f"r_same_{p}", DIST + _policy(p), d("R_dp4_once"), K, d(f"R_same_{p}"), iters=N),
+            # bf16 parameters: the exchange goes through fp32 staging buffers (the master weights
+            # must not pass through bf16).
+            roundtrip_step(f"r_bf16_{p}", DIST + BF16 + _policy(p), d("A"), K, d(f"R_bf16_{p}"), iters=N),
             # MoE, EP2xDP2 -> EP1xDP4: experts replicated over the expert data-parallel group.
             roundtrip_step(f"r_moe_{p}", MOE + DIST + _policy(p), d("M"), K, d(f"R_moe_{p}"), iters=N),
             train_step(f"b_{p}", DIST + _policy(p), iters=N, load=d("A"), step=K),
             train_step(f"b_moe_{p}", MOE + DIST + _policy(p), iters=N, load=d("M"), step=K),
         ]
+    # Faults in bytes that only one rank reads: every rank raises (none waits in the exchange).
+    for fault, action, fraction, extra in (("flip", "flip", 1 / 5, []),
+                                           ("cut", "truncate", 1 / 5, ["--no-verify-checkpoint"])):
+        steps += [{"name": f"corrupt_{fault}", "op": "corrupt_copy", "src": d("A"), "dst": d(f"F_{fault}"),
+                   "tensor": TENSOR, "action": action, "fraction": fraction},
+                  {"name": f"load_{fault}", "op": "load_expecting_error", "fatal": False,
+                   "argv": train_step("", DIST + _policy("once") + extra, iters=N)["argv"]
+                   + ["--load", d(f"F_{fault}")]}]
     # Rank 1 claims other needs than its replicas: its groups read per rank, and say why.
     steps.append(dict(roundtrip_step("r_odd", DIST, d("A"), K, d("R_odd"), iters=N), odd_digest_rank=1))
     return run_steps(4, steps, work / "w4")
@@ -129,7 +142,7 @@ def _tensor_bytes(iter_dir: Path) -> int:
     return total
 
 
-CASES = {"r_dp4": "A", "r_nodist": "A", "r_same": "R_dp4_once", "r_moe": "M"}
+CASES = {"r_dp4": "A", "r_nodist": "A", "r_same": "R_dp4_once", "r_moe": "M", "r_bf16": "A"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -164,3 +177,12 @@ def test_members_that_need_other_bytes_fall_back_to_per_rank_reads(w4, work):
     assert any("ranks [1]" in n and "[0, 1, 2, 3]" in n for n in notes), notes
     assert all(r["exchanged"] == 0 for r in per_rank)  # the dense group read per rank
     assert_same_state(work / "R_odd" / f"iter_{K:07d}", work / "R_dp4_once" / f"iter_{K:07d}")
+
+
+@pytest.mark.parametrize("fault,words", [("flip", ["IntegrityError", "block"]), ("cut", ["IntegrityError", "truncated"])])
+def test_a_fault_in_a_share_is_an_error_on_every_rank(w4, fault, words):
+    raised = ok(w4, f"load_{fault}").get("raised")
+    assert raised is not None and len(raised) == 4, ok(w4, f"load_{fault}")
+    for message in raised:
+        for word in words + [f"{TENSOR}.safetensors"]:
+            assert word in message, message
