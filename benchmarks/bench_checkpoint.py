@@ -14,6 +14,10 @@ the read baseline read from the disk: their files are dropped from the page cach
 `--rounds` pairs with a disk baseline of the same bytes right before, and their ratios are the
 median pair's; the job's first save, whose page-cache memory is fresh, is printed apart. Each
 universal load starts without optimizer state and allocates it, as a job's first load does.
+Each load round runs both read policies (`once`: DP replicas split the reads and exchange;
+`per-rank`), plain and verified, for the resharded load and for a same-layout load of the
+state saved again on the target layout; it prints storage bytes read / checkpoint tensor bytes
+for each.
 """
 
 import argparse
@@ -78,20 +82,27 @@ def main() -> int:
     disk_w = statistics.median(d["bytes"] / d["write_s"] / 1e9 for d, _ in rounds)
     reads = [d["bytes"] / d["read_s"] / 1e9 for d in r["disk_read_rounds"]]
     disk_r = statistics.median(reads)
-    loads = {}
-    for key in ("universal_resharded_load", "universal_resharded_load_verified"):
+    reads_dst = [d["bytes"] / d["read_s"] / 1e9 for d in r["disk_read_rounds_dst"]]
+    gb_dst = r["checkpoint_bytes_dst"] / 1e9
+
+    def load_row(label, prefix, policy, verify, gbytes, disk_rates):
+        key = f"{prefix}{'_verified' if verify else ''}{'' if policy == 'once' else '_per_rank'}"
         times = r[f"{key}_rounds_s"]
         r[f"{key}_s"] = statistics.median(times)
-        loads[key] = statistics.median(gb / t / d for t, d in zip(times, reads))
+        vs_disk = statistics.median(gbytes / t / d for t, d in zip(times, disk_rates))
+        vs_td = r["torch_dist_fully_reshardable_resharded_load_s"] / r[f"{key}_s"] if prefix.endswith("resharded_load") else None
+        return (label, r[f"{key}_s"], vs_disk, vs_td)
+
+    load_rows = []
+    for prefix, what, gbytes, rates in (("universal_resharded_load", f"{a.src}->{a.dst}", gb, reads),
+                                        ("universal_same_layout_load", f"{a.dst}->{a.dst}", gb_dst, reads_dst)):
+        for policy in ("once", "per-rank"):
+            load_rows.append(load_row(f"universal load {what}, read {policy}", prefix, policy, False, gbytes, rates))
+            load_rows.append(load_row("  same, with checksum verification", prefix, policy, True, gbytes, rates))
     rows = [
         ("universal save", r["universal_save_s"], save_vs_disk,
          r["torch_dist_dp_reshardable_save_s"] / r["universal_save_s"]),
-        (f"universal load {a.src}->{a.dst}", r["universal_resharded_load_s"],
-         loads["universal_resharded_load"],
-         r["torch_dist_fully_reshardable_resharded_load_s"] / r["universal_resharded_load_s"]),
-        ("  same, with checksum verification", r["universal_resharded_load_verified_s"],
-         loads["universal_resharded_load_verified"],
-         r["torch_dist_fully_reshardable_resharded_load_s"] / r["universal_resharded_load_verified_s"]),
+        *load_rows,
         ("torch_dist save (dp_reshardable)", r["torch_dist_dp_reshardable_save_s"], None, None),
         ("torch_dist save (fully_reshardable)", r["torch_dist_fully_reshardable_save_s"], None, None),
         ("torch_dist load (dp_reshardable, same layout)", r["torch_dist_dp_reshardable_same_layout_load_s"], None, None),
@@ -103,10 +114,13 @@ def main() -> int:
     print("save rounds (disk baseline write s, universal save s, ratio): " + ", ".join(
         f"({d['write_s']:.2f}, {t:.2f}, {gb / t / (d['bytes'] / d['write_s'] / 1e9):.2f}x)" for d, t in rounds)
         + f"; the job's first save {r['universal_first_save_s']:.2f} s (fresh page-cache memory)")
-    print("load rounds (disk baseline read s, load s, verified load s): " + ", ".join(
-        f"({d['read_s']:.2f}, {t:.2f}, {v:.2f})" for d, t, v in zip(
-            r["disk_read_rounds"], r["universal_resharded_load_rounds_s"],
-            r["universal_resharded_load_verified_rounds_s"])))
+    for prefix, what, base in (("universal_resharded_load", f"{a.src}->{a.dst}", "disk_read_rounds"),
+                               ("universal_same_layout_load", f"{a.dst}->{a.dst}", "disk_read_rounds_dst")):
+        print(f"load rounds {what} (disk baseline read s; read once: load s, verified s; per rank: load s, "
+              "verified s): " + ", ".join(
+                  f"({d['read_s']:.2f}; {o:.2f}, {ov:.2f}; {p:.2f}, {pv:.2f})" for d, o, ov, p, pv in zip(
+                      r[base], r[f"{prefix}_rounds_s"], r[f"{prefix}_verified_rounds_s"],
+                      r[f"{prefix}_per_rank_rounds_s"], r[f"{prefix}_verified_per_rank_rounds_s"])))
     print("the table's save and load rows: the median round's ratio and seconds; every load reads from "
           "the disk (files dropped from the page cache), as the read baseline does, into moments it "
           "allocates, as a job's first load does")
@@ -119,19 +133,19 @@ def main() -> int:
           f"{r['async_save_stall_s'] / r['memcpy_state_s']:.2f}x an in-memory copy of the state "
           f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s; "
           f"the job's first async save stalls {r['async_save_first_stall_s']:.2f} s (plan, staging buffers)")
-    read = r["universal_load_bytes_read_per_rank"]
-    print(f"bytes read per rank on load: {read} ({sum(read) / 1e9:.2f} GB in all: every DP replica "
-          f"reads its whole TP-local weights); read bandwidth of the load on those bytes: "
-          f"{sum(read) / 1e9 / r['universal_resharded_load_s']:.2f} GB/s = "
-          f"{sum(read) / 1e9 / r['universal_resharded_load_s'] / disk_r:.2f}x the disk's")
-    after = r["verified_load_bytes_hashed_after_per_rank"]
-    print(f"verified load: the checksums come from the load's own reads; bytes read again to hash "
-          f"them (short reads, bytes nobody loads), per rank: {after}")
+    print("storage bytes read / checkpoint tensor bytes (the load's reads, plus with verification the "
+          "bytes read again to hash them; headers, manifest and RNG files aside: "
+          f"{(r['checkpoint_bytes'] - r['tensor_bytes']) / 1e6:.2f} MB in the {a.src} checkpoint):")
+    for what, rec in r["load_reads"].items():
+        data = r["tensor_bytes"] if what.startswith("resharded") else r["tensor_bytes_dst"]
+        read = [x + h for x, h in zip(rec["read"], rec["hashed_after"])]
+        print(f"  {what:36s} {sum(read) / data:5.2f}  (per rank MB: {[round(x / 1e6, 1) for x in read]}, "
+              f"received from replicas MB: {[round(x / 1e6, 1) for x in rec['exchanged']]})")
     mem = r["load_memory_per_rank"]
     extra = [m["peak_rss_load_mib"] - m["rss_before_load_mib"] - (m["state_mib"] - m["state_before_load_mib"])
              for m in mem]
-    print(f"resharded load, per rank: training state {[round(m['state_mib']) for m in mem]} MiB; the load's "
-          f"peak RSS beyond the state it allocates: {[round(x) for x in extra]} MiB")
+    print(f"resharded load, per rank: training state {[round(m['state_mib']) for m in mem]} MiB; the first "
+          f"round's loads' peak RSS beyond the state they allocate: {[round(x) for x in extra]} MiB")
     print(f"peak RSS per rank over the loads, torch_dist's included (MiB): {[round(x) for x in r['peak_rss_mib_per_rank']]}")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))

@@ -104,6 +104,14 @@ def disk_read(work: str, nbytes: int) -> dict:
     return {"read_s": t, "bytes": share * dist.get_world_size()}
 
 
+def tensor_data_bytes(folder: str) -> int:
+    """The checkpoint's tensor data: every tensor file's bytes but its header."""
+    from megatron_ucp import manifest as mf
+
+    layouts = [mf.file_layout(e) for e in mf.read_manifest(folder)["tensors"].values()]
+    return sum(layout.file_size - len(layout.header) for layout in layouts)
+
+
 def checkpoint_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
 
@@ -213,62 +221,77 @@ def load_phase(spec: dict, out_path: str) -> None:
     the page cache, as the read baseline's are) into moments it allocates (state dropped before
     each; bench_checkpoint runs these processes with a fixed malloc mmap threshold, so that each
     allocation is fresh memory). The loads are timed in rounds, each right after a read
-    baseline of the same bytes, as the saves are."""
+    baseline of the same bytes, as the saves are; each round loads with both read policies
+    (read once per replica group, and per rank), plain and verified, in alternating orders.
+    Then the state is saved on this layout and loaded back (a same-layout DP load), in rounds
+    of both policies too."""
     import psutil
 
     work, base = spec["work"], spec["model"]
     uni, td_full = os.path.join(work, "universal"), os.path.join(work, "td_full")
+    same = os.path.join(work, "universal_dst")
     results = json.load(open(out_path)) if os.environ.get("RANK", "0") == "0" else {}
     nbytes = checkpoint_bytes(iteration_dir(uni, 1))
+    results["tensor_bytes"] = tensor_data_bytes(iteration_dir(uni, 1))
+
+    def everyone(value):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
+
     with loop.session(base + spec["dst"]) as (args, state):
         reset_peak_rss()
         rss_built = psutil.Process().memory_info().rss / 2**20
         state_built = state_bytes(state) / 2**20  # no optimizer state yet: the load makes it
 
-        hashed_after = []
-
-        def first_load(verify: bool, counter=None) -> float:
+        def first_load(folder: str, policy: str, verify: bool, record: str = None) -> float:
             forget_optimizer_state(state)
-            drop_cache_everywhere(uni)
-            t, result = timed(lambda: load_universal(uni, state.model, state.optimizer, state.scheduler,
+            drop_cache_everywhere(folder)
+            counter = storage.ReadCounter()
+            t, result = timed(lambda: load_universal(folder, state.model, state.optimizer, state.scheduler,
                                                      vocab_size=args.vocab_size, counter=counter,
-                                                     verify=verify))
-            if verify and not hashed_after:
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, result.bytes_hashed_after)
-                hashed_after.extend(gathered)
+                                                     verify=verify, read_policy=policy))
+            if record is not None and record not in results.setdefault("load_reads", {}):
+                # Bytes from storage: the load's reads, and (verified) those read again to hash.
+                results["load_reads"][record] = {
+                    "read": everyone(counter.bytes), "hashed_after": everyone(result.bytes_hashed_after),
+                    "exchanged": everyone(result.bytes_exchanged)}
             return t
 
-        counter = storage.ReadCounter()
-        results["disk_read_rounds"] = [disk_read(work, nbytes)]
-        results["universal_resharded_load_rounds_s"] = [first_load(False, counter)]
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, counter.bytes)
-        results["universal_load_bytes_read_per_rank"] = gathered
-        # Peak RSS of the first load against what the rank must hold.
-        memory = [None] * dist.get_world_size()
-        dist.all_gather_object(memory, {"rss_before_load_mib": rss_built, "peak_rss_load_mib": rss_mib(),
-                                        "state_before_load_mib": state_built,
-                                        "state_mib": state_bytes(state) / 2**20})
-        results["load_memory_per_rank"] = memory
-        results["universal_resharded_load_verified_rounds_s"] = [first_load(True)]
-        for i in range(spec["rounds"] - 1):
+        loads = [(policy, verify) for policy in ("once", "per-rank") for verify in (False, True)]
+
+        def key(policy, verify, prefix="universal_resharded_load"):
+            return f"{prefix}{'_verified' if verify else ''}{'' if policy == 'once' else '_per_rank'}_rounds_s"
+
+        results["disk_read_rounds"] = []
+        for i in range(spec["rounds"]):
             results["disk_read_rounds"].append(disk_read(work, nbytes))
-            # The two loads alternate which comes first, so that neither always follows the baseline.
-            for verify in ((True, False) if i % 2 == 0 else (False, True)):
-                key = "universal_resharded_load_verified_rounds_s" if verify else "universal_resharded_load_rounds_s"
-                results[key].append(first_load(verify))
-        results["verified_load_bytes_hashed_after_per_rank"] = hashed_after
+            # The loads alternate their order, so that none always follows the baseline.
+            for policy, verify in (loads if i % 2 == 0 else loads[::-1]):
+                results.setdefault(key(policy, verify), []).append(
+                    first_load(uni, policy, verify, f"resharded {policy} verified={verify}"))
+            if i == 0:  # peak RSS of the first loads against what the rank must hold
+                results["load_memory_per_rank"] = everyone(
+                    {"rss_before_load_mib": rss_built, "peak_rss_load_mib": rss_mib(),
+                     "state_before_load_mib": state_built, "state_mib": state_bytes(state) / 2**20})
+        # A same-layout DP load: the state saved on this layout, loaded back.
+        save_universal(same, 1, state.model, state.optimizer, state.scheduler, vocab_size=args.vocab_size)
+        results["checkpoint_bytes_dst"] = checkpoint_bytes(iteration_dir(same, 1))
+        results["tensor_bytes_dst"] = tensor_data_bytes(iteration_dir(same, 1))
+        results["disk_read_rounds_dst"] = []
+        for i in range(spec["rounds"]):
+            results["disk_read_rounds_dst"].append(disk_read(work, results["checkpoint_bytes_dst"]))
+            for policy, verify in (loads if i % 2 == 0 else loads[::-1]):
+                results.setdefault(key(policy, verify, "universal_same_layout_load"), []).append(
+                    first_load(same, policy, verify, f"same {policy} verified={verify}"))
         args.dist_ckpt_optim_format = "fully_reshardable"
         drop_cache_everywhere(td_full)
         t, _ = timed(lambda: native.load(args, state, iteration_dir(td_full, 1)))
         results["torch_dist_fully_reshardable_resharded_load_s"] = t
-        rss = [None] * dist.get_world_size()
-        dist.all_gather_object(rss, rss_mib())
-        results["peak_rss_mib_per_rank"] = rss
+        results["peak_rss_mib_per_rank"] = everyone(rss_mib())
     if dist.get_rank() == 0:
         json.dump(results, open(out_path, "w"), indent=1)
-        for folder in (uni, os.path.join(work, "td_dp"), td_full):
+        for folder in (uni, same, os.path.join(work, "td_dp"), td_full):
             shutil.rmtree(folder, ignore_errors=True)
 
 

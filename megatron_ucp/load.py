@@ -2,10 +2,11 @@
 
 For every local parameter: the whole TP-local slice of the fp32 master weight (the model needs
 all of it), and only the distributed-optimizer fragment of the Adam moments. With the read
-policy "once" (the default), what data-parallel replicas all hold (weights; moments too without
-the distributed optimizer) is read from storage once per replica group, each member reading a
-share and broadcasting it to the others (read_plan.py, replicas.py); with "per-rank" each rank
-reads everything it holds. The step count, scheduler, iteration and consumed samples are
+policy "once", what data-parallel replicas all hold (weights; moments too without the
+distributed optimizer) is read from storage once per replica group, each member reading a share
+and broadcasting it to the others (read_plan.py, replicas.py); with "per-rank" each rank reads
+everything it holds; "auto" (the default) reads once where a replica group spans nodes, per
+rank where it runs on one node, whose page cache already serves the replicas one read. The step count, scheduler, iteration and consumed samples are
 global; RNG is restored on the same layout and reseeded deterministically on a different one.
 """
 
@@ -27,7 +28,7 @@ from megatron_ucp.model_map import local_tensors, unwrap
 from megatron_ucp.optimizer_state import grad_scaler_state, load_grad_scaler, uses_distributed_optimizer, write_step
 from megatron_ucp.read_plan import Need
 
-READ_POLICIES = ("once", "per-rank")
+READ_POLICIES = ("auto", "once", "per-rank")
 
 
 @dataclass
@@ -38,9 +39,9 @@ class LoadResult:
     bytes_read: int
     manifest: dict
     bytes_hashed_after: int = 0  # verification: bytes this rank read again to hash them
-    read_policy: str = "once"
+    read_policy: str = "auto"
     bytes_exchanged: int = 0  # bytes this rank received from its replicas instead of storage
-    read_notes: tuple = ()  # why a replica group read per rank under the policy "once"
+    read_notes: tuple = ()  # why a replica group read per rank under the policies "once" and "auto"
 
 
 def _host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
@@ -131,7 +132,7 @@ def _needs(tensors, policy: str, distributed_moments: bool):
     for i, t in enumerate(tensors):
         what = repr((t.atomic_shape, t.padded_rows, t.boxes))
         for state, start, stop in _ranges(t):
-            if policy == "once" and (state == "param" or not distributed_moments):
+            if policy != "per-rank" and (state == "param" or not distributed_moments):
                 needs[t.expert].append((Need(t.name, state, start, stop, what), i))
             else:
                 reads[i].append((state, start, stop, False))
@@ -139,15 +140,16 @@ def _needs(tensors, policy: str, distributed_moments: bool):
 
 
 def _read_plan(tensors, policy: str, distributed_moments: bool) -> _ReadPlan:
-    """Collective (one digest per replica group under "once"): this rank's reads and exchanges."""
+    """Collective (one small all-gather per replica group, but with "per-rank"): this rank's
+    reads and exchanges. "auto" splits the reads of groups that span nodes only."""
     reads, needs = run_everywhere(_needs, tensors, policy, distributed_moments)
     plan = _ReadPlan(reads, [], [])
-    if policy != "once":
+    if policy == "per-rank":
         return plan
     for expert in (False, True):  # every rank, in this order: each takes part in both groups
         group = replicas.replica_group(expert)
         pairs = needs[expert]
-        shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group)
+        shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group, policy == "auto")
         if shares is None:
             for n, i in pairs:
                 reads[i].append((n.state, n.start, n.stop, False))
@@ -365,7 +367,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                    iteration: Optional[int] = None, load_optim: bool = True,
                    load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
                    counter: Optional[storage.ReadCounter] = None,
-                   load_scheduler: bool = True, read_policy: str = "once") -> LoadResult:
+                   load_scheduler: bool = True, read_policy: str = "auto") -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
     Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
@@ -379,7 +381,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     well, RNG state of this rank with `load_rng` on the same layout) must be there.
     `read_policy`: "once" reads what data-parallel replicas share once per replica group and
     exchanges it over the group; "per-rank" has every rank read all it holds (faster where the
-    replicas share a node and its page cache holds the checkpoint; docs/design.md).
+    replicas share a node, whose page cache serves them one read); "auto" reads once in the
+    replica groups that span nodes, per rank in the others (docs/design.md, "Read once").
     """
     if read_policy not in READ_POLICIES:
         raise ValueError(f"read_policy {read_policy!r}: expected one of {READ_POLICIES}")

@@ -9,6 +9,7 @@ over the group, on the group's device (the CPU for gloo, the accelerator for NCC
 into the model's tensor where it is fp32 on that device, else through a staging buffer.
 """
 
+import socket
 from collections import deque
 from typing import List, Optional, Tuple
 
@@ -41,19 +42,23 @@ def group_device(group) -> torch.device:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def agreed_split(needs: List[Need], group) -> Tuple[Optional[List[Tuple[int, Share]]], List[int], Optional[str]]:
+def agreed_split(needs: List[Need], group, across_nodes_only: bool = False
+                 ) -> Tuple[Optional[List[Tuple[int, Share]]], List[int], Optional[str]]:
     """Collective over `group`: (shares in agreed order as (index into `needs`, share), the
     group's global ranks, None) when every member needs the same bytes; (None, ranks, why)
-    when they do not, and each must read its own. A group of one splits nothing."""
+    when they do not, and each must read its own. A group of one splits nothing, nor, with
+    `across_nodes_only`, a group whose members all run on one node (one page cache)."""
     ranks = dist.get_process_group_ranks(group)
     if len(ranks) == 1:
         return None, ranks, None
     agreed = order(needs)
     found = [None] * len(ranks)
-    dist.all_gather_object(found, digest([needs[i] for i in agreed]), group=group)
-    why = disagreement(found, ranks)
+    dist.all_gather_object(found, (digest([needs[i] for i in agreed]), socket.gethostname()), group=group)
+    why = disagreement([d for d, _ in found], ranks)
     if why is not None:
         return None, ranks, why
+    if across_nodes_only and len({host for _, host in found}) == 1:
+        return None, ranks, None
     shares = split([needs[i] for i in agreed], len(ranks))
     return [(agreed[s.need], s) for s in shares], ranks, None
 

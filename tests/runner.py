@@ -62,7 +62,10 @@ def environment(values: dict):
 
 def roundtrip(step):
     """Load universally on this layout, then save again: what the new layout holds, on disk.
-    `odd_digest_rank`: that rank claims other needs than its replicas (read-once falls back)."""
+    `odd_digest_rank`: that rank claims other needs than its replicas (read-once falls back);
+    `ranks_per_node`: the ranks see themselves on nodes of that many ranks (host names)."""
+    import socket
+
     from megatron_ucp import replicas
 
     odd = dist.get_rank() == step.get("odd_digest_rank")
@@ -72,6 +75,10 @@ def roundtrip(step):
             digest = replicas.digest
             replicas.digest = lambda needs: "odd" + digest(needs)
             stack.callback(setattr, replicas, "digest", digest)
+        if step.get("ranks_per_node"):
+            node = f"node{dist.get_rank() // step['ranks_per_node']}"
+            stack.callback(setattr, socket, "gethostname", socket.gethostname)
+            socket.gethostname = lambda: node
         counter = storage.ReadCounter()
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=args.ckpt_step,

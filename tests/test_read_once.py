@@ -29,7 +29,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bi
 EP2 = ["--expert-model-parallel-size", "2"]
 BF16 = ["--bf16"]
 TENSOR = "decoder.layers.1.mlp.linear_fc1.weight"
-POLICIES = ("once", "per-rank")
+POLICIES = ("once", "per-rank")  # and "auto": once across nodes, per rank within one
 
 
 # -- the planner ------------------------------------------------------------------------------
@@ -127,6 +127,10 @@ def w4(work):
                   {"name": f"load_{fault}", "op": "load_expecting_error", "fatal": False,
                    "argv": train_step("", DIST + _policy("once") + extra, iters=N)["argv"]
                    + ["--load", d(f"F_{fault}")]}]
+    # "auto": per rank on this one node; once where the group spans (pretended) nodes of 2 ranks.
+    steps += [roundtrip_step("r_auto", DIST + _policy("auto"), d("A"), K, d("R_auto"), iters=N),
+              dict(roundtrip_step("r_auto_nodes", DIST + _policy("auto"), d("A"), K, d("R_auto_nodes"), iters=N),
+                   ranks_per_node=2)]
     # Rank 1 claims other needs than its replicas: its groups read per rank, and say why.
     steps.append(dict(roundtrip_step("r_odd", DIST, d("A"), K, d("R_odd"), iters=N), odd_digest_rank=1))
     return run_steps(4, steps, work / "w4")
@@ -186,3 +190,13 @@ def test_a_fault_in_a_share_is_an_error_on_every_rank(w4, fault, words):
     for message in raised:
         for word in words + [f"{TENSOR}.safetensors"]:
             assert word in message, message
+
+
+def test_auto_reads_once_only_where_a_replica_group_spans_nodes(w4, work):
+    one_node, two_nodes = ok(w4, "r_auto")["per_rank"], ok(w4, "r_auto_nodes")["per_rank"]
+    assert [r["read"] for r in one_node] == [r["read"] for r in ok(w4, "r_dp4_per-rank")["per_rank"]]
+    assert all(r["exchanged"] == 0 for r in one_node)
+    assert [r["read"] for r in two_nodes] == [r["read"] for r in ok(w4, "r_dp4_once")["per_rank"]]
+    assert sum(r["read"] for r in two_nodes) == _tensor_bytes(work / "A" / f"iter_{K:07d}")
+    for name in ("R_auto", "R_auto_nodes"):
+        assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_once" / f"iter_{K:07d}")

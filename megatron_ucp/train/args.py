@@ -183,11 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="universal: keep only the newest N checkpoints (never the one the tracker names)")
     g.add_argument("--no-verify-checkpoint", action="store_true",
                    help="universal: skip the block-checksum verification of a checkpoint on load")
-    g.add_argument("--ckpt-read-policy", choices=["once", "per-rank"], default="once",
-                   help="universal: 'once' (default) reads what data-parallel replicas share once per "
-                        "replica group, each member a share, exchanged over the group; 'per-rank': every "
-                        "rank reads all it holds (can be faster on one node whose page cache holds the "
-                        "checkpoint)")
+    g.add_argument("--ckpt-read-policy", choices=["auto", "once", "per-rank"], default="auto",
+                   help="universal: 'once' reads what data-parallel replicas share once per replica group, "
+                        "each member a share, exchanged over the group; 'per-rank': every rank reads all it "
+                        "holds (faster where the replicas share a node, whose page cache serves them one "
+                        "read); 'auto' (default): once where a replica group spans nodes, else per rank")
     g.add_argument("--no-strict-load", action="store_true",
                    help="universal: ignore checkpoint tensors that have no place in the model")
     g.add_argument("--no-load-optim", action="store_true",
