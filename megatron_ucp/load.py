@@ -6,8 +6,9 @@ policy "once", what data-parallel replicas all hold (weights; moments too withou
 distributed optimizer) is read from storage once per replica group, each member reading a share
 and broadcasting it to the others (read_plan.py, replicas.py); with "per-rank" each rank reads
 everything it holds; "auto" (the default) reads once where a replica group spans nodes, per
-rank where it runs on one node, whose page cache already serves the replicas one read. The step count, scheduler, iteration and consumed samples are
-global; RNG is restored on the same layout and reseeded deterministically on a different one.
+rank where it runs on one node, whose page cache already serves the replicas one read. The step
+count, scheduler, iteration and consumed samples are global; RNG is restored on the same layout
+and reseeded deterministically on a different one.
 """
 
 import os
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from megatron_ucp import manifest as mf
 from megatron_ucp import checksums, host_memory, replicas, rng, storage
 from megatron_ucp.collective import run_everywhere
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.folder import iteration_dir, read_tracker
 from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
 from megatron_ucp.model_map import local_tensors, unwrap
@@ -117,7 +118,9 @@ class _ReadPlan:
     """What this rank reads from storage, and what it exchanges with its replicas."""
 
     reads: list  # per local tensor: [(state, start, stop, staged)]; staged: kept for an exchange
-    exchanges: list  # (group, its global ranks, [(key, share)]) in the agreed order; key (tensor index, state, start, stop)
+    # (group, its global ranks, [(key, share)]) in the agreed order; key: (tensor index, state,
+    # start, stop) of the share
+    exchanges: list
     notes: list  # why a replica group reads per rank
 
 
@@ -125,8 +128,6 @@ def _needs(tensors, policy: str, distributed_moments: bool):
     """Per replica group (dense, expert): the ranges all its members hold, as (Need, tensor
     index); and the per-tensor reads this rank makes alone (distributed-optimizer moments are
     this rank's own; everything, with the policy "per-rank")."""
-    if policy not in READ_POLICIES:
-        raise ValueError(f"read policy {policy!r}: expected one of {READ_POLICIES}")
     reads = [[] for _ in tensors]
     needs = {False: [], True: []}
     for i, t in enumerate(tensors):
@@ -385,7 +386,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     replica groups that span nodes, per rank in the others (docs/design.md, "Read once").
     """
     if read_policy not in READ_POLICIES:
-        raise ValueError(f"read_policy {read_policy!r}: expected one of {READ_POLICIES}")
+        raise ConfigError(f"read_policy {read_policy!r}: expected one of {list(READ_POLICIES)}")
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
@@ -423,8 +424,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     elif reseed is not None:
         reseed(int(m["iteration"]))
     if reads.notes and dist.get_rank() == 0:
-        print(" warning: read-once load: " + "; ".join(reads.notes) + ": those ranks read per rank",
-              flush=True)
+        print(" warning: read-once load: " + "; ".join(reads.notes) + ": each member of such a group "
+              "reads all it holds", flush=True)
     return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m,
                       rehashed, read_policy, exchanged, tuple(reads.notes))
 

@@ -28,6 +28,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--swiglu", "--disable-bi
        "--moe-ffn-hidden-size", "32"]
 EP2 = ["--expert-model-parallel-size", "2"]
 BF16 = ["--bf16"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 TENSOR = "decoder.layers.1.mlp.linear_fc1.weight"
 POLICIES = ("once", "per-rank")  # and "auto": once across nodes, per rank within one
 
@@ -127,6 +129,9 @@ def w4(work):
                   {"name": f"load_{fault}", "op": "load_expecting_error", "fatal": False,
                    "argv": train_step("", DIST + _policy("once") + extra, iters=N)["argv"]
                    + ["--load", d(f"F_{fault}")]}]
+    # TP2xDP2 (partial rows, TP-replicated tensors) and PP2xDP2 (the tied output layer's copy).
+    steps += [roundtrip_step("r_tp2dp2", TP2 + DIST + _policy("once"), d("A"), K, d("R_tp2dp2"), iters=N),
+              roundtrip_step("r_pp2dp2", PP2 + DIST + _policy("once"), d("A"), K, d("R_pp2dp2"), iters=N)]
     # "auto": per rank on this one node; once where the group spans (pretended) nodes of 2 ranks.
     steps += [roundtrip_step("r_auto", DIST + _policy("auto"), d("A"), K, d("R_auto"), iters=N),
               dict(roundtrip_step("r_auto_nodes", DIST + _policy("auto"), d("A"), K, d("R_auto_nodes"), iters=N),
@@ -136,14 +141,21 @@ def w4(work):
     return run_steps(4, steps, work / "w4")
 
 
-def _tensor_bytes(iter_dir: Path) -> int:
-    """The checkpoint's tensor data: every file's bytes but its header."""
+def _tensor_bytes(iter_dir: Path, which=lambda name: True) -> int:
+    """The checkpoint's tensor data (of the tensors `which` names): files' bytes but headers."""
     m = json.loads((iter_dir / mf.MANIFEST).read_text())
     total = 0
-    for entry in m["tensors"].values():
+    for name, entry in m["tensors"].items():
         layout = mf.file_layout(entry)
-        total += layout.file_size - len(layout.header)
+        total += (layout.file_size - len(layout.header)) if which(name) else 0
     return total
+
+
+def _tp_replicated(name: str) -> bool:
+    """The test GPT's tensors that every TP rank holds whole (norms, row-parallel biases,
+    learned position embeddings)."""
+    return ("norm" in name or name.endswith(("linear_proj.bias", "linear_fc2.bias"))
+            or name.startswith("embedding.position_embeddings"))
 
 
 CASES = {"r_dp4": "A", "r_nodist": "A", "r_same": "R_dp4_once", "r_moe": "M", "r_bf16": "A"}
@@ -200,3 +212,16 @@ def test_auto_reads_once_only_where_a_replica_group_spans_nodes(w4, work):
     assert sum(r["read"] for r in two_nodes) == _tensor_bytes(work / "A" / f"iter_{K:07d}")
     for name in ("R_auto", "R_auto_nodes"):
         assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_once" / f"iter_{K:07d}")
+
+
+def test_what_read_once_leaves_to_per_rank_reads(w4, work):
+    """TP-replicated tensors are read once per TP rank; the tied output layer's copy on the last
+    stage is read again (docs/design.md, "Read once"). Exactly that, and the same state."""
+    source = work / "A" / f"iter_{K:07d}"
+    data = _tensor_bytes(source)
+    tp2 = sum(r["read"] for r in ok(w4, "r_tp2dp2")["per_rank"])
+    assert tp2 == data + _tensor_bytes(source, _tp_replicated)  # (TP - 1) more copies
+    pp2 = sum(r["read"] for r in ok(w4, "r_pp2dp2")["per_rank"])
+    assert pp2 == data + _tensor_bytes(source, lambda n: n == "embedding.word_embeddings.weight")
+    for name in ("R_tp2dp2", "R_pp2dp2"):
+        assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_per-rank" / f"iter_{K:07d}")
