@@ -263,6 +263,20 @@ def names(step):
             "keys": sorted(set().union(*(k for _, k in everyone)))}
 
 
+def geometry(step):
+    """Every rank's local tensors as the mapping gives them (name, shapes, boxes, distributed-
+    optimizer fragment), for tests/test_model_shapes.py."""
+    with loop.session(step["argv"]) as (args, state):
+        mine = [{"name": t.name, "atomic_shape": list(t.atomic_shape), "padded_rows": t.padded_rows,
+                 "writes": t.writes, "stateless": t.stateless, "numel": t.param.numel(),
+                 "boxes": [[b.local_start, list(b.offset), list(b.shape)] for b in t.boxes],
+                 "fragment": None if t.fragment is None else [t.fragment.start, t.fragment.stop]}
+                for t in local_tensors(state.model, state.optimizer, args.vocab_size)]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
+
+
 def logits(step):
     """megatron's forward on `tokens` after loading `--load` universally, weights only: the
     true-vocabulary logits [batch, seq, vocab], gathered over TP from the last pipeline stage."""
@@ -325,7 +339,7 @@ def corrupt_copy(step):
 
 OPS = {"corrupt_copy": corrupt_copy, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
-       "grouped": grouped, "logits": logits, "export_torch_dist": export_torch_dist}
+       "grouped": grouped, "logits": logits, "geometry": geometry, "export_torch_dist": export_torch_dist}
 
 
 def main(spec_path: str, result_path: str) -> int:

@@ -20,7 +20,7 @@ TRAIN = f"{PACKAGE}.train"
 # module must be placed here (the test names it otherwise).
 LAYERS = [
     ("base", {"errors"}),
-    ("layout math", {"layout", "plan", "read_plan"}),
+    ("layout math", {"layout", "plan", "read_plan", "model_shapes"}),
     ("on-disk format", {"storage", "checksums", "format_v1", "manifest", "folder", "inspection",
                         "safe_pickle"}),
     ("engine and megatron glue", {"collective", "ownership", "host_memory", "rng", "launch", "elastic",
