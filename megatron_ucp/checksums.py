@@ -148,3 +148,31 @@ def check_blocks(path: str, base: int, end: int, block: int, sums: Sequence[str]
     if i != len(ordered):
         problems.append(f"{path}: pieces beyond byte {end} were hashed; the load's verification plan is wrong")
     return problems
+
+
+def plan_hashes(files: Dict[str, Tuple[int, int, int]], spans: Dict[int, Dict[str, list]], world: int,
+                me: int) -> Dict[int, dict]:
+    """On the owner `me` of the tensor files `files` (name -> (first data byte, file size, block
+    bytes)): who hashes each of their bytes, from the file byte spans each rank said it reads
+    (`spans`: rank -> name -> spans). Returns rank -> {"inline": name -> pieces it hashes as it
+    reads them, "after": (name, lo, hi) it hashes after the load}. Each byte goes to one of its
+    readers (checksums.assign_pieces); bytes nobody reads go to ranks from the owner on, by
+    bytes, so that owners of unread files do not all pile them on the same ranks."""
+    import heapq
+
+    out: Dict[int, dict] = {}
+    unread = []
+    for name in sorted(files):
+        base, end, block = files[name]
+        holders = {r: s[name] for r, s in spans.items() if name in s}
+        owned, rest = assign_pieces(holders, base, end, block)
+        for rank, pieces in owned.items():
+            if pieces:
+                out.setdefault(rank, {"inline": {}, "after": []})["inline"][name] = sorted(pieces)
+        unread += [(hi - lo, name, lo, hi) for lo, hi in rest]
+    heap = [(0, k) for k in range(min(world, len(unread)))]
+    for size, name, lo, hi in sorted(unread, key=lambda x: (-x[0], x[1], x[2])):
+        load, k = heapq.heappop(heap)
+        out.setdefault((me + k) % world, {"inline": {}, "after": []})["after"].append((name, lo, hi))
+        heapq.heappush(heap, (load + size, k))
+    return out

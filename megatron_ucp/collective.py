@@ -49,3 +49,41 @@ def on_rank_zero(fn, *args, group=None, **kwargs):
     result = [run_everywhere(lambda: fn(*args, **kwargs) if rank0 else None, group=group)]
     dist.broadcast_object_list(result, src=0, group=group)
     return result[0]
+
+
+def exchange_objects(payloads: dict, group=None, device=None) -> dict:
+    """All-to-all of picklable objects: payloads[dest] goes to rank `dest` of `group`; returns
+    {source: object} for the ranks that sent this rank something. Unlike all_gather_object, a
+    rank receives only what is addressed to it (plus one length per rank), so the bytes follow
+    the rank's share, not the world's. `device`: where the group's collectives take tensors
+    (cuda under NCCL)."""
+    import pickle
+
+    import torch
+
+    world = dist.get_world_size(group)
+    blobs = [pickle.dumps(payloads[d], protocol=pickle.HIGHEST_PROTOCOL) if d in payloads else b""
+             for d in range(world)]
+    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    recv_sizes = recv_sizes.cpu().tolist()
+    data = b"".join(blobs)
+    send = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send.to(device), recv_sizes, [len(b) for b in blobs], group=group)
+    raw, out, at = recv.cpu().numpy().tobytes(), {}, 0
+    for source, n in enumerate(recv_sizes):
+        if n:
+            out[source] = pickle.loads(raw[at:at + n])
+        at += n
+    return out
+
+
+def all_true(flag: bool, group=None, device=None) -> bool:
+    """Whether `flag` holds on every rank: one integer reduced, whatever the world's size."""
+    import torch
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())

@@ -25,15 +25,14 @@ from megatron.core import parallel_state
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import host_memory, ownership, rng, storage
-from megatron_ucp.collective import on_rank_zero, run_everywhere
-from megatron_ucp.errors import SaveError
+from megatron_ucp.collective import all_true, exchange_objects, on_rank_zero, run_everywhere
+from megatron_ucp.errors import IncompleteCheckpointError, SaveError
 from megatron_ucp.folder import iteration_dir, write_tracker
-from megatron_ucp.layout import fragment_regions, padding_shape, region_runs
+from megatron_ucp.layout import region_runs
 from megatron_ucp.model_map import local_tensors, unwrap
 from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, plain_groups,
                                           read_step, uses_distributed_optimizer)
-from megatron_ucp.plan import (WriteItem, assign_files, assign_writers, check_coverage, merge_rows,
-                               row_merges)
+from megatron_ucp.plan import offer_items, part_shapes_of, plan_save
 
 
 def current_layout(optimizer) -> dict:
@@ -67,14 +66,9 @@ def _sources(t, states):
 
 def _offers(tensors, states, with_optimizer: bool):
     offers, sources = [], {}
-    for t in tensors:
-        if not t.writes or (with_optimizer and t.fragment is None and not t.stateless):
-            continue
-        start, stop, data = _sources(t, states)
-        for local_start, region in fragment_regions(t.pieces(), start, stop):
-            item = WriteItem(t.name, region, region.numel * 4 * len(data))
-            offers.append(item)
-            sources[item.key] = (local_start - start, data)
+    for item, t, offset in offer_items(tensors, len(states), with_optimizer):
+        offers.append(item)
+        sources[item.key] = (offset, _sources(t, states)[2])
     return offers, sources
 
 
@@ -106,44 +100,34 @@ def _prepare(save_dir: str, iteration: int) -> str:
     return tmp
 
 
-_PLAN_CACHE = {}  # what every rank offered (digests) -> (plan, entries, part_shapes)
+_PLAN_CACHE = {}  # digest of what this rank offered -> (its plan, entries of the files it creates)
 
 
 def _plan(tensors, states, with_optimizer: bool):
-    """Gather every rank's offers; every rank derives the same plan and file entries.
+    """This rank's part of the save plan (plan.plan_save: each tensor planned by its owner).
 
     The plan depends only on the layout, so a job saving again with the same offers on every
-    rank reuses it: only a digest per rank is exchanged.
+    rank reuses it: one integer is reduced to learn that every rank's offers are unchanged.
+    Returns (plan, sources, entries, part_shapes, created): entries of the tensors this rank
+    holds or creates (every tensor's on rank 0, for the manifest), and the files it creates.
     """
     offers, sources = _offers(tensors, states, with_optimizer)
     entries_here = _tensor_entries(tensors, states)
-    digest = hashlib.sha256(pickle.dumps((offers, entries_here, _merging_rows()))).hexdigest()
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    cached = _PLAN_CACHE.get(tuple(digests))
-    if cached is not None:
-        plan, merges, ends, entries, part_shapes = cached
-        return plan, merges, _with_ends(sources, ends), entries, part_shapes
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (offers, entries_here))
-    entries = {}
-    for _, e in gathered:
-        entries.update(e)
-    part_shapes = {}
-    for name, e in entries.items():
-        part_shapes[(name, "")] = tuple(e["shape"])
-        if e["padding_rows"]:
-            part_shapes[(name, "padding")] = padding_shape(e["shape"], e["padding_rows"])
-    offers_all, sets, ends = [o for o, _ in gathered], {}, {}
-    if _merging_rows():
-        offers_all, sets, ends = merge_rows(offers_all, part_shapes)
-    plan = assign_writers(offers_all)
-    merges = row_merges(plan, sets)
-    check_coverage(part_shapes, plan)
-    ends = {key: source for (key, rank), source in ends.items() if rank == dist.get_rank()}
-    _PLAN_CACHE.clear()  # one layout at a time
-    _PLAN_CACHE[tuple(digests)] = (plan, merges, ends, entries, part_shapes)
-    return plan, merges, _with_ends(sources, ends), entries, part_shapes
+    world, rank, device = dist.get_world_size(), dist.get_rank(), _p2p_device()
+    digest = hashlib.sha256(pickle.dumps((offers, entries_here, _merging_rows(), world))).hexdigest()
+    cached = _PLAN_CACHE.get(digest)
+    if all_true(cached is not None, device=device):
+        plan, created = cached
+    else:
+        plan, created = plan_save(offers, entries_here, rank, world,
+                                  functools.partial(exchange_objects, device=device),
+                                  lambda e: mf.file_layout(e).file_size, _merging_rows())
+        if plan.errors:
+            raise IncompleteCheckpointError("save plan does not cover the model: " + "; ".join(plan.errors[:5]))
+        _PLAN_CACHE.clear()  # one layout at a time
+        _PLAN_CACHE[digest] = (plan, created)
+    entries = {**entries_here, **created, **plan.entries}
+    return plan, _with_ends(sources, plan.ends), entries, part_shapes_of(entries), sorted(created)
 
 
 def _with_ends(sources: dict, ends: dict) -> dict:
@@ -376,10 +360,11 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     rank = dist.get_rank()
     states = mf.STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
-    plan, merges, sources, entries, part_shapes = _plan(tensors, states, optimizer is not None)
+    plan, sources, entries, part_shapes, created = _plan(tensors, states, optimizer is not None)
+    merges = plan.merges
     staging = _STAGING.take() if async_save else None
     merged = {m.item.key for m in merges if m.writer == rank}
-    snapshot = _snapshot([i for i in plan[rank] if i.key not in merged], sources, states,
+    snapshot = _snapshot([i for i in plan.items if i.key not in merged], sources, states,
                          copy=async_save, staging=staging)
     # Column blocks travel over NCCL as device tensors on a synchronous save; an asynchronous
     # one stages them on the host now and sends them over its own gloo group in the background.
@@ -388,8 +373,8 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                           consumed_samples, args, save_rng, progress) if rank == 0 else None
-    job = functools.partial(_execute, save_dir, iteration, plan[rank], snapshot, transfers, entries,
-                            part_shapes, rng.capture() if save_rng else None, head, keep_last,
+    job = functools.partial(_execute, save_dir, iteration, plan.items, snapshot, transfers, entries,
+                            part_shapes, created, rng.capture() if save_rng else None, head, keep_last,
                             _checkpoint_group() if async_save else None)
     if not async_save:
         return job()
@@ -401,23 +386,23 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     return pending
 
 
-def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shapes, rng_state, head,
-             keep_last, group):
-    """Column blocks exchanged, files, checksums and commit; every step agreed by all ranks
-    over `group`."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shapes, created, rng_state,
+             head, keep_last, group):
+    """Column blocks exchanged, files (`created`: those this rank creates and checksums),
+    checksums and commit; every step agreed by all ranks over `group`."""
+    rank = dist.get_rank()
     layouts = {name: mf.file_layout(e) for name, e in entries.items()}
-    creators = assign_files({n: layout.file_size for n, layout in layouts.items()}, world)
     everywhere = functools.partial(run_everywhere, group=group)
     tmp = None
     try:
         tmp = on_rank_zero(_prepare, save_dir, iteration, group=group)
         everywhere(_exchange_rows, transfers, group)
-        everywhere(_create_files, tmp, entries, layouts, creators[rank])
+        everywhere(_create_files, tmp, entries, layouts, created)
         everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)
-        checksums = everywhere(_checksum, tmp, entries, layouts, creators[rank])
-        all_checksums = [None] * world
-        dist.all_gather_object(all_checksums, checksums, group=group)
+        checksums = everywhere(_checksum, tmp, entries, layouts, created)
+        # Only rank 0 writes them into the manifest: each rank sends it its files' checksums.
+        device = _p2p_device() if group is None else torch.device("cpu")
+        all_checksums = list(exchange_objects({0: checksums} if checksums else {}, group, device).values())
         final = iteration_dir(save_dir, iteration)
         everywhere(lambda: _commit(save_dir, tmp, final, iteration, head, all_checksums, keep_last)
                    if rank == 0 else None)

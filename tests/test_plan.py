@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.layout import MAIN, Region, region_runs
-from megatron_ucp.plan import (SHORT_ROW_BYTES, WriteItem, assign_writers, check_coverage, merge_rows,
-                               row_merges)
+from megatron_ucp.plan import (SHORT_ROW_BYTES, RowMerge, WriteItem, assign_writers, check_coverage, merge_rows,
+                               plan_in_memory, row_merges)
 from megatron_ucp.save import _block_views, _column_block, _merging_rows, _with_ends
 
 
@@ -51,22 +51,55 @@ def _offers(tp, rows, width, ranges, states):
     return offers, sources, full
 
 
+def _entry(shape, states):
+    return {"shape": list(shape), "padding_rows": 0, "states": states}
+
+
+def _global_plan(offers, part_shapes, states):
+    """The old planner: every rank's offers gathered, one plan for the world."""
+    merged_offers, sets, ends = merge_rows(offers, part_shapes)
+    plan = assign_writers(merged_offers)
+    merges = {(m.item.key, m.writer): m for m in row_merges(plan, sets)}
+    ends = [{k: src for (k, r), src in ends.items() if r == rank} for rank in range(len(offers))]
+    return plan, merges, ends
+
+
+def _owner_plan(offers, part_shapes, states):
+    """The planner at scale: each tensor planned by its owner (exchanges in memory)."""
+    world = len(offers)
+    entries = {r: {name: _entry(shape, states) for (name, _), shape in part_shapes.items()}
+               for r in range(world)}
+    plans, _ = plan_in_memory(dict(enumerate(offers)), entries, world, lambda e: 1)
+    assert not plans[0].errors, plans[0].errors
+    plan = [plans[r].items for r in range(world)]
+    seen, own = {}, {}
+    for r in range(world):
+        for m in plans[r].merges:
+            assert r == m.writer or r in {b.rank for b in m.blocks}  # only the merges it is in
+            for i, b in enumerate(m.blocks):
+                assert (b.source is not None) == (b.rank == r)  # the source of its own blocks only
+                if b.rank == r:
+                    own[(m.item.key, m.writer, i)] = b
+            seen[(m.item.key, m.writer)] = m
+    merges = {key: RowMerge(m.item, m.writer, tuple(own[key + (i,)] for i in range(len(m.blocks))))
+              for key, m in seen.items()}
+    return plan, merges, [plans[r].ends for r in range(world)]
+
+
 @settings(max_examples=300, deadline=None)
-@given(split_layouts())
-def test_merged_rows_cover_the_tensor_once_and_carry_the_right_elements(layout):
+@given(split_layouts(), st.sampled_from([_global_plan, _owner_plan]))
+def test_merged_rows_cover_the_tensor_once_and_carry_the_right_elements(layout, planner):
     """Replays a save: every planned item's bytes (whole rows assembled from the blocks the
     exchange moves, partial rows and unmerged items from the writer's own data) land in the
-    file tensor, which must come out whole."""
+    file tensor, which must come out whole; for the old planner and the planner at scale."""
     tp, rows, width, ranges, states = layout
     offers, sources, full = _offers(tp, rows, width, ranges, states)
     part_shapes = {("w", MAIN): full.shape, ("norm", MAIN): (7,)}
-    merged_offers, sets, ends = merge_rows(offers, part_shapes)
-    plan = assign_writers(merged_offers)
+    plan, merges, ends = planner(offers, part_shapes, states)
     check_coverage(part_shapes, plan)  # raises on a gap or an overlap
-    merges = {(m.item.key, m.writer): m for m in row_merges(plan, sets)}
     written = np.full((states,) + full.shape, np.nan, dtype=np.float32)
     for rank, items in enumerate(plan):
-        mine = _with_ends(sources[rank], {k: src for (k, r), src in ends.items() if r == rank})
+        mine = _with_ends(sources[rank], ends[rank])
         for item in items:
             if item.name != "w":
                 continue
