@@ -187,13 +187,23 @@ def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
                 f"expects {list(t.atomic_shape)}")
     if strict:
         # Each rank sees only its own tensors: the union over ranks must cover the checkpoint.
-        seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, sorted(wanted))
-        unexpected = sorted(saved.keys() - set().union(*map(set, seen)))
-        if unexpected:
-            raise LayoutError(
-                f"{path}: {len(unexpected)} checkpoint tensors have no place in the model: "
-                f"{unexpected[:5]} (pass strict=False to ignore them)")
+        # Each checkpoint tensor is checked by its owner (plan.owner_of), told by the ranks
+        # that hold it: a rank sends and receives names of its own share, not the world's.
+        from megatron_ucp.collective import exchange_objects
+        from megatron_ucp.plan import names_by_owner, unclaimed
+        from megatron_ucp.save import _p2p_device
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        told = exchange_objects(names_by_owner(wanted, world), device=_p2p_device())
+
+        def check():
+            unexpected = unclaimed(saved.keys(), told.values(), rank, world)
+            if unexpected:
+                raise LayoutError(
+                    f"{path}: checkpoint tensors have no place in the model: "
+                    f"{unexpected[:5]} (pass strict=False to ignore them)")
+
+        run_everywhere(check)
 
 
 def _same_layout(saved: dict, current: dict) -> bool:
@@ -314,16 +324,31 @@ def _hash_plan(root: str, m: dict, layouts, tensors, reads: _ReadPlan) -> _HashP
     replicated byte is read, and so hashed, by one member of its replica group)."""
     checks = run_everywhere(_check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
-    spans = [None] * world
-    dist.all_gather_object(spans, run_everywhere(_read_spans, m, layouts, tensors, reads))
-    inline, unread = {}, {}
-    for name, entry in m["tensors"].items():
-        holders = {r: s[name] for r, s in enumerate(spans) if name in s}
-        owned, unread[name] = checksums.assign_pieces(
-            holders, len(layouts[name].header), entry["file_size"], entry["block_bytes"])
-        if owned.get(rank):
-            inline[name] = sorted(owned[rank])
-    return _HashPlan(inline, checksums.spread(unread, world)[rank], checks)
+    # Each file's hashing is planned by its owner (plan.owner_of), from the spans its readers
+    # send it: a rank sends and receives what concerns its own reads and files, not the world's.
+    from megatron_ucp.collective import exchange_objects
+    from megatron_ucp.checksums import plan_hashes
+    from megatron_ucp.plan import owner_of
+    from megatron_ucp.save import _p2p_device
+
+    device = _p2p_device()
+    spans = run_everywhere(_read_spans, m, layouts, tensors, reads)
+    routed: dict = {}
+    for name, s in spans.items():
+        routed.setdefault(owner_of(name, world), {})[name] = s
+    told = exchange_objects(routed, device=device)
+
+    def plan():
+        files = {name: (len(layouts[name].header), entry["file_size"], entry["block_bytes"])
+                 for name, entry in m["tensors"].items() if owner_of(name, world) == rank}
+        return plan_hashes(files, told, world, rank)
+
+    mine = exchange_objects(run_everywhere(plan), device=device)
+    inline, after = {}, []
+    for owner in sorted(mine):
+        inline.update(mine[owner]["inline"])
+        after += mine[owner]["after"]
+    return _HashPlan(inline, after, checks)
 
 
 def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) -> int:
