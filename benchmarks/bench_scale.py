@@ -21,9 +21,12 @@ classes), each step timed on the rank that runs it. Reported per layout:
   plus the all-to-all's one length per rank each way), the most of any rank;
 - written max/mean: bytes each rank writes (fp32 master weight and two Adam moments);
 - files, their sizes, the manifest's size and its parse time (json.loads, best of three);
-- read/ckpt: bytes read from storage per checkpoint byte by a load on the same layout, by
-  TODAY'S PER-RANK READ RULE (each rank reads its whole TP-local weights and its fragment's
-  moments: load._ranges); the read-once planner is not simulated here.
+- read/ckpt: bytes read from storage per checkpoint byte by a load on the same layout: with the
+  read policy "per-rank" (each rank reads its whole TP-local weights and its fragment's
+  moments: load._ranges), and with "once" (read_plan.split run for each replica group's
+  weights, one group per class: the groups of a class hold the same needs; the moments are
+  each rank's own). Each TP rank of a TP-replicated tensor (norms) and a tied copy read it
+  again: their own groups.
 
 and, per model, each figure's growth exponent from the smallest to the largest world (a
 least-squares fit of log(figure) over log(ranks); 1.0 is linear). With --baseline the old
@@ -50,6 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ucp import manifest as mf  # noqa: E402
 from megatron_ucp import plan as pl  # noqa: E402
+from megatron_ucp import read_plan  # noqa: E402
+from megatron_ucp.read_plan import Need  # noqa: E402
 from megatron_ucp.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
 from megatron_ucp.save import _tensor_entries  # noqa: E402
 
@@ -141,7 +146,15 @@ def _simulate(shape, par, peaks):
     world = par.world
     clock, meta = Clock(world), np.zeros(world)
     routed, holds, param_read, moments = {}, {}, np.zeros(world), 0
+    once_read, seen = 0, set()
     for rank, c, mine, entries, tensors in rank_inputs(shape, par):
+        # Read once: each replica group reads its shared weights once. The data-parallel group
+        # of (TP, PP) holds the dense ones, the expert data-parallel group of (PP, expert TP, EP)
+        # the experts.
+        for expert, key in ((False, (c.tp, c.pp)), (True, (c.pp, c.etp, c.ep))):
+            if (expert, key) not in seen:
+                seen.add((expert, key))
+                once_read += read_once_bytes(tensors, par, expert)
         offers = clock.run(rank, lambda: [i for i, _, _ in pl.offer_items(mine, len(STATES), True, lambda t: t.numel)])
         routed[rank] = clock.run(rank, pl.route_offers, offers, entries, world)
         holds[rank] = (mine, entries)
@@ -186,7 +199,21 @@ def _simulate(shape, par, peaks):
                      (("min", 0), ("p50", 50), ("p90", 90), ("max", 100))},
         "checkpoint_gib": float(data / 2**30), "manifest_mib": manifest_bytes / 2**20, "manifest_parse_s": parse_s,
         "read_per_byte_today": float((param_read.sum() + moments) / data),
+        "read_per_byte_once": float((once_read + moments) / data),
     }
+
+
+def read_once_bytes(tensors, par, expert: bool):
+    """Storage bytes one replica group's shared weights cost under the read policy "once" (the
+    data-parallel group's dense weights, or the expert data-parallel group's experts):
+    read_plan.split, the load's own planner, cuts the needs into one run per member, and each
+    run is read once. Moments are each rank's own under the distributed optimizer."""
+    needs = [Need(t.name, "param", 0, t.numel) for t in tensors if t.expert == expert]
+    if not needs:
+        return 0
+    needs = [needs[i] for i in read_plan.order(needs)]
+    shares = read_plan.split(needs, par.expert_dp if expert else par.dp)
+    return 4 * sum(sh.stop - sh.start for sh in shares)
 
 
 def rank_work(rank, world, holds, at_owner, back, sizes):
@@ -284,7 +311,8 @@ def exponent(xs, ys):
 FIGURES = [("plan_s", "plan s/rank", "{:.3f}"), ("peak_mib", "peak MiB/rank", "{:.1f}"),
            ("meta_mib", "meta MiB/rank", "{:.3f}"), ("written_max_mean", "written max/mean", "{:.3f}"),
            ("files", "files", "{}"), ("manifest_mib", "manifest MiB", "{:.1f}"),
-           ("manifest_parse_s", "manifest parse s", "{:.3f}"), ("read_per_byte_today", "read/ckpt (today)", "{:.1f}")]
+           ("manifest_parse_s", "manifest parse s", "{:.3f}"), ("read_per_byte_today", "read/ckpt per-rank", "{:.1f}"),
+           ("read_per_byte_once", "read/ckpt once", "{:.3f}")]
 
 
 def main():
