@@ -1,7 +1,9 @@
 """Gaps of megatron-core when neither NVIDIA apex nor transformer-engine is installed.
 
 These are not about the CPU: a GPU job without TE hits them too. Each patch has a one-line
-reason and applies only when the component it replaces is absent. `apply()` is idempotent.
+reason and applies only when the component it replaces is absent and the installed
+megatron-core has the gap (`core_version()`, tested where the patch is chosen; the tested
+releases are 0.16.1 and 0.19.2). `apply()` is idempotent.
 """
 
 import copy
@@ -9,6 +11,14 @@ import functools
 import importlib
 
 _APPLIED = False
+
+
+@functools.lru_cache(maxsize=None)
+def core_version() -> tuple:
+    """The installed megatron-core's (major, minor, patch): the fixes that one release needs and
+    another does not are chosen by it."""
+    info = importlib.import_module("megatron.core.package_info")
+    return (int(info.MAJOR), int(info.MINOR), int(info.PATCH))
 
 
 def _have(module: str) -> bool:

@@ -208,14 +208,19 @@ def _fork_checkpoint_queue():
     machine); without CUDA in the process, 'fork' is safe and immediate."""
     import multiprocessing
 
+    from megatron_ucp.compat import core_version
+
     fs_async = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
 
-    def results_queue():
+    def results_queue(*args, **kwargs):
         if fs_async._results_queue is None:
             fs_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
         return fs_async._results_queue
 
-    fs_async._get_write_results_queue = results_queue
+    # 0.19 made it public, with the context as an argument (default still 'spawn'); its
+    # callers import it from the module at call time.
+    name = "get_write_results_queue" if core_version() >= (0, 19) else "_get_write_results_queue"
+    setattr(fs_async, name, results_queue)
 
 
 class _SharedKeyChannelsGrad(torch.autograd.Function):

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 
+from megatron_ucp.compat import core_version
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.layout import Box, Rule, atomic_shape_from_local, box_pieces, boxes_of
 from megatron_ucp.optimizer_state import Fragment, fragments as optimizer_fragments
@@ -184,7 +185,10 @@ def _legacy_grouped_weights(gpt, singleton: dict) -> list:
     """megatron's legacy GroupedMLP weights: (which, parameter, its experts' names, local experts).
 
     Its sharded state dict holds copies (transposed experts), not views, so its geometry is the
-    oracle's (legacy_grouped_tensors); the names are megatron's (singleton spelling)."""
+    oracle's (legacy_grouped_tensors); the names are megatron's (singleton spelling).
+    megatron-core 0.19 removed GroupedMLP (TE's grouped experts are its only grouped layout)."""
+    if core_version() >= (0, 19):
+        return []
     from megatron.core.transformer.moe.experts import GroupedMLP
 
     out = []

@@ -234,7 +234,8 @@ def megatron_reader():
 
     reader = _reader_class()
     original = strategies._get_filesystem_reader
-    strategies._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: reader(checkpoint_dir)
+    # (checkpoint_dir, cache_metadata) in 0.16, and async_strategy since 0.19: a reader either way
+    strategies._get_filesystem_reader = lambda checkpoint_dir, *args, **kwargs: reader(checkpoint_dir)
     try:
         yield
     finally:

@@ -23,7 +23,17 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from megatron_ucp.compat import core_version
 from megatron_ucp.errors import ConfigError
+
+
+def _have_legacy_grouped_gemm() -> bool:
+    """megatron's legacy GroupedMLP with the grouped_gemm package (gone in megatron-core 0.19)."""
+    if core_version() >= (0, 19):
+        return False
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    return grouped_gemm_util.grouped_gemm_is_available()
 
 
 def _have_te() -> bool:
@@ -141,14 +151,11 @@ def _megatron_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int
         raise ConfigError("--reset-attention-mask needs the local attention (--cpu here): megatron's "
                           "transformer-engine layer spec is causal and TE ignores the document mask")
     if args.num_experts is not None:
-        if args.moe_grouped_gemm and not te:
-            from megatron.core.transformer.moe import grouped_gemm_util
-
-            if not grouped_gemm_util.grouped_gemm_is_available():
-                raise ConfigError(
-                    "--moe-grouped-gemm needs GPU kernels (transformer-engine, or the grouped_gemm "
-                    "package for megatron's legacy GroupedMLP); without them train sequential experts: "
-                    "universal checkpoints move between the two expert layouts")
+        if args.moe_grouped_gemm and not te and not _have_legacy_grouped_gemm():
+            raise ConfigError(
+                "--moe-grouped-gemm needs GPU kernels (transformer-engine, or the grouped_gemm "
+                "package for megatron's legacy GroupedMLP, before megatron-core 0.19); without them "
+                "train sequential experts: universal checkpoints move between the two expert layouts")
         return get_gpt_decoder_block_spec(config, use_transformer_engine=te,
                                           normalization=args.normalization, vp_stage=vp_stage)
     if te:
