@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Set up a virtual environment (pinned CPU torch, megatron-core, this package) and run:
+# Set up a virtual environment (pinned torch, megatron-core, this package) and run:
 #   bash run.sh demo    # CPU demo: train, save universally, resume on another layout
 #   bash run.sh test    # the default test suite (what CI runs)
+#   bash run.sh setup   # only make (or update) the virtual environment
 #   bash run.sh gpu-check   # on a GPU machine: TE spec, FusedAdam, bf16/fp16, NCCL (tools/gpu_check.py)
+# The megatron-core release is chosen by UCP_CORE:
+#   0.16 (default): Python 3.11 (python3), torch 2.13.0 CPU, megatron-core 0.16.1, venv .venv
+#   0.19:           Python 3.12, torch 2.14.1, megatron-core 0.19.2, venv .venv-core019
+#                   e.g. `UCP_CORE=0.19 bash run.sh test`
+# When the other release's venv exists, its interpreter is passed to the tests as
+# UCP_OTHER_PYTHON (tests/test_cross_version.py: checkpoints saved under one, resumed under the
+# other); UCP_REQUIRE_OTHER=1 (CI) makes a missing one a test failure instead of a skip.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = gpu-check ]; then
@@ -10,16 +18,49 @@ if [ "${1:-}" = gpu-check ]; then
     # would install a CPU torch.
     shift; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
 fi
-venv="${UCP_VENV:-.venv}"
+
+# An interpreter of Python $1 (e.g. 3.12) that really runs: $UCP_PYTHON, pythonX.Y on PATH
+# (a pyenv shim that refuses counts as absent), else the newest of pyenv's versions/X.Y.*.
+find_python() {
+    local want="$1" candidate
+    for candidate in ${UCP_PYTHON:-} "python$want" \
+            $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want".*/bin/python"$want" 2>/dev/null | sort -rV); do
+        if "$candidate" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$want'" 2>/dev/null; then
+            echo "$candidate"; return 0
+        fi
+    done
+    echo "run.sh: UCP_CORE=$core needs Python $want: no working python$want on PATH, none in" \
+         "${PYENV_ROOT:-$HOME/.pyenv}/versions/$want.*/bin/ (install one, or name it with UCP_PYTHON=...)" >&2
+    return 1
+}
+
+core="${UCP_CORE:-0.16}"
+case "$core" in
+    0.16) venv="${UCP_VENV:-.venv}"; want=3.11; other=.venv-core019
+          # torch is pinned: a bare `torch` requirement pulls a multi-GB CUDA build.
+          pins=("torch==2.13.0" "megatron-core==0.16.1") ;;
+    0.19) venv="${UCP_VENV:-.venv-core019}"; want=3.12; other=.venv
+          # megatron-core 0.19 needs Python >= 3.12, for which the registry's torch is its CUDA
+          # build (about 5 GB installed; it runs on CPU). README: "megatron-core 0.19".
+          pins=("torch==2.14.1" "megatron-core==0.19.2") ;;
+    *) echo "run.sh: UCP_CORE=$core: expected 0.16 or 0.19" >&2; exit 2 ;;
+esac
 if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
+    if [ "$core" = 0.16 ] && [ -z "${UCP_PYTHON:-}" ]; then
+        python=python3  # as before: the machine's python3 (3.10 or newer)
+    else
+        python="$(find_python "$want")"
+    fi
+    "$python" -m venv "$venv"
 fi
-# torch is pinned: a bare `torch` requirement pulls a multi-GB CUDA build. The hf extra
-# (transformers, matplotlib) is for tests/test_hf.py; it does not touch the pinned torch.
-"$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    "torch==2.13.0" "megatron-core==0.16.1" -e ".[dev,hf]"
+# The hf extra (transformers, matplotlib) is for tests/test_hf.py; it does not touch the pinned torch.
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}" -e ".[dev,hf]"
+if [ -z "${UCP_OTHER_PYTHON:-}" ] && [ -x "$other/bin/python" ]; then
+    export UCP_OTHER_PYTHON="$PWD/$other/bin/python"
+fi
 case "${1:-}" in
+    setup) ;;
     demo) shift; exec "$venv/bin/python" examples/cpu_demo.py "$@" ;;
     test) shift; exec "$venv/bin/python" -m pytest -q "$@" ;;
-    *) echo "usage: bash run.sh demo|test|gpu-check [args...]" >&2; exit 2 ;;
+    *) echo "usage: [UCP_CORE=0.16|0.19] bash run.sh setup|demo|test|gpu-check [args...]" >&2; exit 2 ;;
 esac
