@@ -20,13 +20,11 @@ import time
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, UCPError, report
 
 def stored_args(iteration_dir: str) -> dict:
-    """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in common.pt."""
-    from megatron_ucp.safe_pickle import load_file
+    """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in its common
+    state (common.pt, or inside the DCP files since megatron-core 0.19)."""
+    from megatron_ucp.dist_convert import read_common
 
-    path = os.path.join(iteration_dir, "common.pt")
-    if not os.path.lexists(path):
-        raise IncompleteCheckpointError(f"{path}: missing; is {iteration_dir} a torch_dist checkpoint?")
-    common = load_file(path, "torch_dist common state")
+    common = read_common(iteration_dir)
     args = common.get("args") if isinstance(common, dict) else None
     return dict(args) if isinstance(args, dict) else {}
 
@@ -35,7 +33,8 @@ def _resolve(input_dir: str, iteration):
     from megatron_ucp.folder import iteration_dir, read_tracker
     from megatron_ucp.legacy_convert import is_legacy
 
-    if os.path.exists(os.path.join(input_dir, "common.pt")) or is_legacy(input_dir):  # an iter_ folder
+    if any(os.path.exists(os.path.join(input_dir, f)) for f in ("common.pt", ".metadata")) \
+            or is_legacy(input_dir):  # an iter_ folder (torch_dist of megatron-core 0.16 or 0.19, legacy)
         name = os.path.basename(os.path.normpath(input_dir))
         return os.path.dirname(os.path.normpath(input_dir)), int(name.split("_")[-1])
     it = iteration if iteration is not None else read_tracker(input_dir)

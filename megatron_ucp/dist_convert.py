@@ -163,6 +163,35 @@ class DcpReader:
         self._fds.clear()
 
 
+COMMON_STATE = "common_state/shard_0_1"  # megatron-core 0.19's common state, inside the DCP files
+
+
+def read_common(iter_dir: str) -> dict:
+    """A torch_dist checkpoint's common (not sharded) state: arguments, iteration, scheduler,
+    optimizer param groups. megatron-core 0.16 writes it to `common.pt`; 0.19 stores it as the
+    sharded object `common_state` in the checkpoint's own files (serialization.save). Chosen by
+    what the folder holds, not by the installed release: either converts under either."""
+    from megatron_ucp.safe_pickle import load_file
+
+    path = os.path.join(iter_dir, "common.pt")
+    if os.path.lexists(path):
+        return load_file(path, "torch_dist common state")
+    if not os.path.lexists(os.path.join(iter_dir, ".metadata")):
+        raise IncompleteCheckpointError(f"{path}: missing (and no .metadata that could hold the common state); "
+                                        f"is {iter_dir} a torch_dist checkpoint?")
+    reader = DcpReader(iter_dir)
+    try:
+        if COMMON_STATE not in reader.keys():
+            raise IncompleteCheckpointError(f"{iter_dir}: neither common.pt nor {COMMON_STATE!r} in .metadata: "
+                                            "the checkpoint's common state (arguments, iteration) is missing")
+        common = _unwrap(reader.read_object(COMMON_STATE))
+    finally:
+        reader.close()
+    if not isinstance(common, dict):
+        raise FormatError(f"{iter_dir}: {COMMON_STATE!r} holds {type(common).__name__}, expected a dict")
+    return common
+
+
 def _unwrap(obj):
     """megatron's sharded objects come back inside a one-element list."""
     while isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], (list, dict)):
@@ -325,12 +354,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     from megatron_ucp.model_map import local_tensors
 
     if common is None:
-        from megatron_ucp.safe_pickle import load_file
-
-        path = os.path.join(iter_dir, "common.pt")
-        if not os.path.lexists(path):
-            raise IncompleteCheckpointError(f"{path}: missing; is {iter_dir} a torch_dist checkpoint?")
-        common = load_file(path, "torch_dist common state")
+        common = read_common(iter_dir)
     reader = DcpReader(iter_dir)
     stored, source, world = _source_args(iter_dir, common, extra_argv, nproc)
     sharding = _sharding(common, reader)

@@ -117,7 +117,9 @@ def bucket_layout(params, dp: int, bucket_size: int | None, pad_for_high_busbw: 
     """Where each parameter lies in the distributed optimizer's buckets of one buffer.
 
     params: [(name, numel, shared_embedding)] in the model's parameter order. Mirrors
-    megatron-core 0.16's `_ParamAndGradBuffer` (distributed optimizer): parameters in reverse
+    megatron-core 0.16's `_ParamAndGradBuffer` (distributed optimizer; the same rules moved to
+    `DistributedOptimizer._compute_per_buffer_param_layout` and `optimizer/param_layout.py` in
+    0.19): parameters in reverse
     order, each start padded to 64 elements, bucket ends padded to lcm(dp, 128) (and 2^16 with
     `pad_buckets_for_high_nccl_busbw`), the shared embedding in a bucket of its own. Returns
     ({name: (bucket, offset in the bucket, numel)}, [each bucket's numel without its end padding]).

@@ -232,11 +232,18 @@ def megatron_reader():
     """While active, megatron-core's torch_dist loader reads through SafeFileSystemReader."""
     from megatron.core.dist_checkpointing.strategies import torch as strategies
 
+    from megatron.core.dist_checkpointing import serialization
+
     reader = _reader_class()
-    original = strategies._get_filesystem_reader
-    # (checkpoint_dir, cache_metadata) in 0.16, and async_strategy since 0.19: a reader either way
-    strategies._get_filesystem_reader = lambda checkpoint_dir, *args, **kwargs: reader(checkpoint_dir)
+    # megatron-core 0.19's serialization imports it by name too (it reads the common state, kept
+    # inside the DCP files since then, through it); 0.16's does not have it.
+    modules = [m for m in (strategies, serialization) if hasattr(m, "_get_filesystem_reader")]
+    originals = [m._get_filesystem_reader for m in modules]
+    for m in modules:
+        # (checkpoint_dir, cache_metadata) in 0.16, and async_strategy since 0.19: a reader either way
+        m._get_filesystem_reader = lambda checkpoint_dir, *args, **kwargs: reader(checkpoint_dir)
     try:
         yield
     finally:
-        strategies._get_filesystem_reader = original
+        for m, original in zip(modules, originals):
+            m._get_filesystem_reader = original
