@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from megatron_ucp.dist_convert import DcpReader, _stage_members
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 
+pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)
+
 
 @pytest.fixture(scope="module")
 def dcp_dir(tmp_path_factory):
@@ -103,3 +105,33 @@ def test_optimizer_domains_number_every_model_parallel_rank_once(tp, pp, ep, etp
         coords = {(r, t, e) for _, r, t, e in d.ranks}
         assert len(coords) == len(groups)
         assert d.dp * len(groups) == world  # data parallelism takes the remaining ranks
+
+
+def test_common_state_from_common_pt_or_from_inside_the_dcp_files(dcp_dir, tmp_path):
+    """megatron-core 0.16 writes the common state to common.pt, 0.19 as the object
+    'common_state' inside the DCP files: read_common finds either, and names what is missing."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from megatron_ucp.dist_convert import COMMON_STATE, read_common
+
+    def save_object(directory, obj):  # as megatron's sharded object: one torch.save'd list
+        dcp.save({"w": torch.zeros(2), COMMON_STATE: obj}, checkpoint_id=str(directory), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
+
+    d, _ = dcp_dir
+    with pytest.raises(IncompleteCheckpointError, match="common_state"):
+        read_common(str(d))  # DCP files without it
+    with pytest.raises(IncompleteCheckpointError, match="common.pt: missing"):
+        read_common(str(tmp_path))
+    save_object(tmp_path / "inside", [{"iteration": 3, "args": {"num_layers": 2}}])
+    assert read_common(str(tmp_path / "inside")) == {"iteration": 3, "args": {"num_layers": 2}}
+    legacy = tmp_path / "legacy"
+    shutil.copytree(d, legacy)
+    torch.save({"iteration": 5}, legacy / "common.pt")
+    assert read_common(str(legacy)) == {"iteration": 5}
+    save_object(tmp_path / "wrong", [[1, 2], [3]])
+    with pytest.raises(FormatError, match="expected a dict"):
+        read_common(str(tmp_path / "wrong"))
