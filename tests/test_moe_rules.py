@@ -36,3 +36,16 @@ def test_moe_arguments(argv, names):
         parse(argv)
     for name in names:
         assert name in str(e.value), str(e.value)
+
+
+def test_grouped_gemm_without_kernels_is_refused_at_build():
+    """Without transformer-engine and (before megatron-core 0.19) the grouped_gemm package there
+    is no grouped-experts layout on CPU: 0.19 would build sequential experts silently, so the
+    flag is refused by name instead."""
+    from megatron_ucp.train import model
+
+    if model._have_te() or model._have_legacy_grouped_gemm():
+        pytest.skip("grouped-GEMM kernels are installed here")
+    args = parse(["--moe-grouped-gemm", "--cpu"])
+    with pytest.raises(ConfigError, match="--moe-grouped-gemm needs GPU kernels"):
+        model._megatron_layer_spec(args, None, None)
