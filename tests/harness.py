@@ -46,15 +46,16 @@ def free_port() -> int:
 
 
 def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
-              allow_failure: bool = False) -> dict:
-    """Run `steps` in one torchrun group of `nproc` CPU processes; return {name: result}."""
+              allow_failure: bool = False, python: str = sys.executable) -> dict:
+    """Run `steps` in one torchrun group of `nproc` CPU processes; return {name: result}.
+    `python`: the interpreter (and so the megatron-core) the group runs with."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec, result = workdir / "spec.json", workdir / "result.json"
     spec.write_text(json.dumps({"steps": steps}))
     # Every read of these small models is shorter than the inline-hashing threshold: at 1 byte,
     # verified loads hash inline and combine pieces on every layout (fault tests set it back).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(REPO / "tests" / "runner.py"), str(spec), str(result)]
     proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
