@@ -47,7 +47,7 @@ case "$core" in
 esac
 if [ ! -x "$venv/bin/python" ]; then
     if [ "$core" = 0.16 ] && [ -z "${UCP_PYTHON:-}" ]; then
-        python=python3  # as before: the machine's python3 (3.10 or newer)
+        python=python3  # as before: the machine's python3 (3.11 or newer)
     else
         python="$(find_python "$want")"
     fi

@@ -26,6 +26,8 @@ from harness import (
     train_step,
 )
 
+pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)
+
 N, K = 10, 5  # train to N, resume from K
 TOL = 1e-4
 
