@@ -141,6 +141,16 @@ def _poison_object(d: Path, marker: Path, prefix="rng_state") -> str:
     return index.fqn
 
 
+def _with_common_pt(iter_dir: Path) -> None:
+    """megatron-core 0.19 keeps the common state inside the DCP files and writes no common.pt;
+    readers still prefer a common.pt found in the folder, so a planted one is as hostile: plant
+    the folder's own common state as common.pt, to damage it."""
+    from megatron_ucp.dist_convert import read_common
+
+    if not (iter_dir / "common.pt").exists():
+        torch.save(read_common(str(iter_dir)), iter_dir / "common.pt")
+
+
 def _poison_torch_file(path: Path, marker: Path) -> None:
     sd = torch.load(path, weights_only=False)  # the test's own fresh save: trusted
     sd["payload"] = _Payload(marker)
@@ -185,6 +195,8 @@ def test_distcp_object_payload_is_refused(copy_of, tmp_path):
 def test_torch_save_payload_is_refused(copy_of, tmp_path, name):
     d, marker = copy_of("torch_dist" if name == "common.pt" else "torch"), tmp_path / "MARKER"
     path = d / IT / name
+    if name == "common.pt":
+        _with_common_pt(d / IT)
     _poison_torch_file(path, marker)
     _refused(lambda: safe_pickle.load_file(str(path), "checkpoint file"), path, "posix.system", kind=FormatError)
     _refused(lambda: safe_pickle.check_torch_file(str(path), "checkpoint file"), path, "posix.system",
@@ -334,6 +346,8 @@ def test_torch_dist_file_that_is_not_a_regular_file(copy_of, name, kind):
 
     d = copy_of("torch_dist")
     make, says = NOT_FILES[kind]
+    if name == "common.pt":
+        _with_common_pt(d / IT)
     make(d / IT / name)
     _refused(lambda: check_folder(str(d / IT)), d / IT / name, says)
     if name == ".metadata":
