@@ -145,9 +145,18 @@ def gpt_dataset_config(args):
     return GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length,
         blend=get_blend_from_list(args.data_path), split=args.split,
-        path_to_cache=args.data_cache_path, tokenizer=NullTokenizer(args.eod_token),
+        path_to_cache=args.data_cache_path, tokenizer=_null_tokenizer(NullTokenizer, args.eod_token),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.reset_attention_mask)
+
+
+def _null_tokenizer(cls, eod: int):
+    """Megatron-LM's NullTokenizer with EOD = `eod` and eod + 1 entries. megatron-core 0.16's
+    NullTokenizer(n) is exactly that; 0.19's NullTokenizer(n) has n entries and EOD n - 1
+    (tokenizers/text/libraries/null_tokenizer.py), so it is asked for the same explicitly."""
+    from megatron_ucp.compat import core_version
+
+    return cls(eod + 1, eod_id=eod) if core_version() >= (0, 19) else cls(eod)
 
 
 def used_splits(config, args) -> None:
