@@ -377,3 +377,21 @@ def test_elastic_keeps_an_uneven_split_where_it_fits():
     assert choice.layout.pp == 3  # 2 + 4 + 2 layers
     with pytest.raises(ConfigError, match="--decoder-first-pipeline-num-layers"):
         choose_layout(1, dims, Layout(pp=4), Batch(2, 8))
+
+
+def test_mla_query_norm_without_compression_is_refused_where_megatron_cannot_build_it():
+    """megatron-core 0.19 norms MLA's uncompressed query in a fused transformer-engine projection;
+    without TE that model cannot be built, and the flags are named instead of a mock's error."""
+    from megatron_ucp.compat import core_version
+    from megatron_ucp.train import model
+    from megatron_ucp.train.args import build_parser, validate
+
+    argv = ["--cpu", "--mock-data", "--num-layers", "2"] + MLA
+    args = validate(build_parser().parse_args(argv), 2)
+    if core_version() < (0, 19):
+        assert model._megatron_layer_spec(args, None, None) is not None  # 0.16 builds it (no query norm)
+        return
+    assert_config_error_names(lambda: model._megatron_layer_spec(args, None, None),
+                              ["--multi-latent-attention", "--qk-layernorm", "--q-lora-rank"])
+    compressed = validate(build_parser().parse_args(argv + Q_LORA), 2)
+    assert model._megatron_layer_spec(compressed, None, None) is not None  # with query compression it builds

@@ -150,6 +150,14 @@ def _megatron_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int
         # ignores a given mask: the documents would see each other without a word.
         raise ConfigError("--reset-attention-mask needs the local attention (--cpu here): megatron's "
                           "transformer-engine layer spec is causal and TE ignores the document mask")
+    if (args.multi_latent_attention and args.qk_layernorm and args.q_lora_rank is None and not te
+            and core_version() >= (0, 19)):
+        # 0.19 norms MLA's uncompressed query input inside a fused norm+linear projection that only
+        # transformer-engine has (mla_qk_norm_config.py, _resolve_mla_qk_layernorm); 0.16 had no
+        # query norm there, and its local spec cannot build 0.19's.
+        raise ConfigError("--multi-latent-attention --qk-layernorm without --q-lora-rank needs "
+                          "transformer-engine on megatron-core 0.19 (it norms the query input in a fused "
+                          "TE projection); add --q-lora-rank, drop --qk-layernorm, or use megatron-core 0.16")
     if args.num_experts is not None:
         if args.moe_grouped_gemm and not te and not _have_legacy_grouped_gemm():
             raise ConfigError(
