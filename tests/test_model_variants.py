@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from harness import assert_config_error_names, losses, run_steps, train_step
+from megatron_ucp.compat import core_version
 from megatron_ucp.elastic import Batch, Layout, ModelDims, choose_layout, pipeline_split_problem
 from megatron_ucp.errors import ConfigError
 from megatron_ucp.train.args import build_parser, validate
@@ -46,6 +47,10 @@ DEEPSEEK = MLA + Q_LORA + MTP + [
     "--moe-layer-freq", "[0]+[1]*3", "--expert-model-parallel-size", "2",
 ]
 FROM_REFERENCE = ["--ckpt-format", "torch_dist", "--no-load-optim", "--no-load-rng"]
+# MLA with --qk-layernorm and no query compression: megatron-core 0.19 builds it only with
+# transformer-engine (train/model.py refuses it by name; tested at the end of this file).
+PLAIN_MLA = core_version() < (0, 19)
+NO_PLAIN_MLA = "megatron-core 0.19 builds MLA --qk-layernorm without --q-lora-rank only with transformer-engine"
 
 
 def train(name, extra, iters=ITERS, **kw):
@@ -70,8 +75,7 @@ def w2(work):
         train("uneven_resumed_pp1", [], load=str(work / "UNEVEN"), step=2),
         train("pp2_even_scratch", PP2),
         train("dense_dp2", []),
-        train("mla_dp2", MLA),
-        train("mla_tp2", MLA + TP2),
+    ] + ([train("mla_dp2", MLA), train("mla_tp2", MLA + TP2)] if PLAIN_MLA else []) + [
         train("mla_q_dp2", MLA + Q_LORA),
         train("mla_q_tp2", MLA + Q_LORA + TP2),
         train("mla_q_tp2_sp", MLA + Q_LORA + TP2 + ["--sequence-parallel"]),
@@ -126,7 +130,8 @@ def test_uneven_pipeline_split_with_tensor_parallelism(w2, w4):
     assert_same_curve(finite_curve(w2, "pp2_uneven_scratch"), finite_curve(w4, "pp2_uneven_tp2"))
 
 
-@pytest.mark.parametrize("variant", ["mla", "mla_q", "qk", "mtp"])
+@pytest.mark.parametrize("variant", [
+    pytest.param("mla", marks=pytest.mark.skipif(not PLAIN_MLA, reason=NO_PLAIN_MLA)), "mla_q", "qk", "mtp"])
 def test_variant_trains_alike_on_tp1_and_tp2(w2, variant):
     assert_same_curve(finite_curve(w2, f"{variant}_dp2"), finite_curve(w2, f"{variant}_tp2"))
 
@@ -135,6 +140,7 @@ def test_mla_with_sequence_parallelism(w2):
     assert_same_curve(finite_curve(w2, "mla_q_dp2"), finite_curve(w2, "mla_q_tp2_sp"))
 
 
+@pytest.mark.skipif(not PLAIN_MLA, reason=NO_PLAIN_MLA)
 def test_query_compression_changes_the_model(w2):
     plain, compressed = losses(w2, "mla_dp2"), losses(w2, "mla_q_dp2")
     assert abs(plain[1] - compressed[1]) > 1e-4
