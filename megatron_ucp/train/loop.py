@@ -115,15 +115,19 @@ def _mtp_losses(args) -> dict:
         return {}
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from megatron_ucp.compat import core_version
+
     tracker = MTPLossLoggingHelper.tracker
     total = torch.zeros(args.mtp_num_layers, dtype=torch.float64)
     contributes = (
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_tensor_model_parallel_rank() == 0
     )
-    if contributes and "values" in tracker:
+    # 0.19 renamed the losses' entry (and tracks token acceptance beside it)
+    key = "loss_values" if core_version() >= (0, 19) else "values"
+    if contributes and key in tracker:
         dp = parallel_state.get_data_parallel_world_size()
-        total += tracker["values"].double().cpu() / (args.num_microbatches * dp)
+        total += tracker[key].double().cpu() / (args.num_microbatches * dp)
     tracker.clear()  # a later session may have another number of MTP layers
     dist.all_reduce(total)
     return {f"mtp_{i + 1} loss": float(v) for i, v in enumerate(total)}
