@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from disk import CHUNK, drop_cache, sequential_read, sequential_write  # noqa: E402
-from megatron_ucp import storage  # noqa: E402
+from megatron_ucp import tensor_io  # noqa: E402
 from megatron_ucp.folder import iteration_dir, write_tracker  # noqa: E402
 from megatron_ucp.load import load_universal  # noqa: E402
 from megatron_ucp.optimizer_state import inner_optimizers  # noqa: E402
@@ -247,7 +247,7 @@ def load_phase(spec: dict, out_path: str) -> None:
         def first_load(folder: str, policy: str, verify: bool, record: str = None) -> float:
             forget_optimizer_state(state)
             drop_cache_everywhere(folder)
-            counter = storage.ReadCounter()
+            counter = tensor_io.ReadCounter()
             t, result = timed(lambda: load_universal(folder, state.model, state.optimizer, state.scheduler,
                                                      vocab_size=args.vocab_size, counter=counter,
                                                      verify=verify, read_policy=policy))

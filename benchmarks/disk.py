@@ -2,7 +2,7 @@
 
 import os
 
-from megatron_ucp import storage
+from megatron_ucp import durability
 
 CHUNK = 64 * 2**20
 
@@ -16,7 +16,7 @@ def sequential_write(path, nbytes: int, block: bytes, kick: bool) -> None:
             left -= f.write(block[:min(len(block), left)])
             if kick:
                 f.flush()
-                storage.start_writeback(path)
+                durability.start_writeback(path)
         f.flush()
         os.fsync(f.fileno())
 

@@ -1,17 +1,38 @@
 """Block checksums verified from the bytes a load reads anyway, instead of a pass of their own.
 
-A tensor file's data carries one crc32 per block (storage.BLOCK_BYTES). On load, every byte of
+A tensor file's data carries one crc32 per block (BLOCK_BYTES). On load, every byte of
 every file gets exactly one owner rank, which hashes it: inline, from the buffer it has just read
 into, where one of its reads spans the byte; else in a pass after the load (bytes nobody loads,
 and reads too short to be worth it). A block whose bytes several ranks own is checked by
 combining its pieces' crcs in file order (crc32_combine), so no block has to be read whole by
-one rank. Pure functions: the load gathers the pieces' crcs and calls `check_blocks`.
+one rank. The combining is pure; the load gathers the pieces' crcs and calls `check_blocks`.
+The file hashing (block_checksums, crc_spans, verify_range) is at the end.
 """
 
 from __future__ import annotations
 
+import os
+import zlib
 from functools import lru_cache
 from typing import Dict, List, Sequence, Tuple
+
+from megatron_ucp.errors import FormatError, IntegrityError
+from megatron_ucp.safe_files import open_regular, read_exact, vector_io
+
+
+def _crc32():
+    """zlib-ng's crc32 where installed: the same sums, 8x faster here (21 vs 2.5 GB/s) with
+    carry-less multiplication; on two cores the checksums were the largest CPU cost of a save."""
+    try:
+        from zlib_ng import zlib_ng
+
+        return zlib_ng.crc32
+    except ImportError:
+        return zlib.crc32
+
+
+crc32 = _crc32()  # crc32(data, value=0) -> int, as zlib.crc32; both release the GIL
+BLOCK_BYTES = 4 * 2**20  # bytes per recorded crc32 of a tensor file's data
 
 Span = Tuple[int, int]  # file bytes [lo, hi)
 
@@ -176,3 +197,76 @@ def plan_hashes(files: Dict[str, Tuple[int, int, int]], spans: Dict[int, Dict[st
         out.setdefault((me + k) % world, {"inline": {}, "after": []})["after"].append((name, lo, hi))
         heapq.heappush(heap, (load + size, k))
     return out
+
+
+def _crc_blocks(fd: int, path, start: int, stop: int, block_bytes: int):
+    """Yield (index, lo, hi, crc) for block_bytes-sized blocks of [start, stop), reusing one buffer."""
+    buf = memoryview(bytearray(min(block_bytes, max(stop - start, 0))))
+    for i, lo in enumerate(range(start, stop, block_bytes)):
+        hi = min(lo + block_bytes, stop)
+        done, _ = vector_io(False, fd, [buf[:hi - lo]], lo)
+        if done < hi - lo:
+            raise IntegrityError(f"{path}: file ends at byte {lo + done}, inside checksummed block {i} "
+                                 f"(bytes {lo}..{hi})")
+        yield i, lo, hi, f"{crc32(buf[:hi - lo]):08x}"
+
+
+def _check_span(start: int, stop: int, block_bytes: int) -> None:
+    if block_bytes <= 0 or not 0 <= start <= stop:
+        raise ValueError(f"bad byte range [{start}, {stop}) or block size {block_bytes}")
+
+
+def block_checksums(path, start: int, stop: int, block_bytes: int = BLOCK_BYTES) -> list[str]:
+    """crc32 (8 hex chars) of each block of [start, stop), the last one shorter.
+
+    Per-block sums let a reader verify just the blocks it reads; ranks may checksum disjoint
+    block-aligned pieces and concatenate the lists.
+    """
+    _check_span(start, stop, block_bytes)
+    fd = open_regular(path, "tensor file")
+    try:
+        return [crc for _, _, _, crc in _crc_blocks(fd, path, start, stop, block_bytes)]
+    finally:
+        os.close(fd)
+
+
+def crc_spans(path, spans) -> list[int]:
+    """crc32 of each file byte range [lo, hi) of `spans`; a range past the end raises."""
+    fd = open_regular(path, "tensor file")
+    try:
+        buf = memoryview(bytearray(max((hi - lo for lo, hi in spans), default=0)))
+        return [crc32(read_exact(fd, hi - lo, lo, path, "bytes to hash", buf)) for lo, hi in spans]
+    finally:
+        os.close(fd)
+
+
+def verify_range(path, start: int, stop: int, checksums, block_bytes: int = BLOCK_BYTES, *,
+                 base: int = 0, end: int | None = None) -> None:
+    """Re-hash the blocks intersecting [start, stop) and compare with `checksums`.
+
+    `checksums` is block_checksums(path, base, end); end defaults to the file size (the usual
+    whole-file case is base=0). Mismatch -> IntegrityError naming block, bytes and both sums.
+    """
+    _check_span(start, stop, block_bytes)
+    if start == stop:
+        return
+    fd = open_regular(path, "tensor file")
+    try:
+        if end is None:
+            end = os.fstat(fd).st_size
+            if stop > end:
+                raise IntegrityError(f"{path}: file has {end} bytes, cannot verify bytes {start}..{stop}")
+        if start < base or stop > end:
+            raise ValueError(f"{path}: bytes {start}..{stop} lie outside the checksummed range {base}..{end}")
+        first, last = (start - base) // block_bytes, (stop - 1 - base) // block_bytes
+        if last >= len(checksums):
+            raise FormatError(f"{path}: {len(checksums)} block checksums recorded, block {last} needed")
+        lo = base + first * block_bytes
+        hi = min(base + (last + 1) * block_bytes, end)
+        for i, b_lo, b_hi, found in _crc_blocks(fd, path, lo, hi, block_bytes):
+            expected = str(checksums[first + i]).lower()
+            if found != expected:
+                raise IntegrityError(f"{path}: block {first + i} (bytes {b_lo}..{b_hi}) has crc32 {found}, "
+                                     f"expected {expected}")
+    finally:
+        os.close(fd)

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage, stream_write
+from megatron_ucp import safe_files, stream_write
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, infer_rule, layer_offset, local_shape, pieces
 from megatron_ucp.optimizer_state import plain_groups, saved_steps
@@ -100,10 +100,10 @@ class DcpReader:
         if info.transform_descriptors:
             raise FormatError(f"{self.dir}: {fqn!r} is stored with transforms {info.transform_descriptors}; "
                               "not supported")
-        path = storage.safe_join(self.dir, info.relative_path)  # the metadata is data: no escapes
+        path = safe_files.safe_join(self.dir, info.relative_path)  # the metadata is data: no escapes
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = storage.open_regular(path, f"torch_dist data file (holding {fqn!r})")
+            fd = self._fds[path] = safe_files.open_regular(path, f"torch_dist data file (holding {fqn!r})")
         if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
                 and 0 <= info.length <= os.fstat(fd).st_size - info.offset):
             raise IncompleteCheckpointError(f"{path}: {fqn!r} is recorded at bytes {info.offset}+{info.length}, "

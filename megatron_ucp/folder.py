@@ -2,7 +2,7 @@
 
 Library, not training application: save, load, the converters and the tools all find and
 commit checkpoints through these (train/checkpointing.py builds its flags on them). Needs no
-torch: the tracker is read bounded and written atomically (storage.py), its number checked by
+torch: the tracker is read bounded and written atomically (safe_files.py, durability.py), its number checked by
 manifest.tracker_iteration.
 """
 
@@ -10,7 +10,8 @@ import os
 
 from megatron_ucp.errors import IncompleteCheckpointError
 from megatron_ucp.manifest import tracker_iteration
-from megatron_ucp.storage import MAX_TRACKER_BYTES, atomic_write_bytes, read_bounded
+from megatron_ucp.durability import atomic_write_bytes
+from megatron_ucp.safe_files import MAX_TRACKER_BYTES, read_bounded
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

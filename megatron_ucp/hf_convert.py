@@ -19,7 +19,7 @@ import numpy as np
 
 from megatron_ucp import hf_map
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage
+from megatron_ucp import durability, safe_files, tensor_io
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
 from megatron_ucp.source_model import given_args
 
@@ -79,7 +79,7 @@ def read_param(root: str, name: str, entry: dict, verify: bool = True) -> np.nda
         inspection.check_header(root, name, entry)
     layout = mf.file_layout(entry)
     out = np.empty(entry["shape"], np.float32)
-    storage.read_runs(storage.safe_join(root, entry["file"]), layout, "param", [(0, 0, out.size)], out)
+    tensor_io.read_runs(safe_files.safe_join(root, entry["file"]), layout, "param", [(0, 0, out.size)], out)
     return out
 
 
@@ -138,11 +138,11 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
             weight_map.update({n: fname for n, _ in entries})
         bar.close()
         config = hf_map.hf_config(model, torch_dtype)
-        storage.atomic_write_json(os.path.join(tmp, "config.json"), config)
-        storage.atomic_write_json(os.path.join(tmp, "generation_config.json"),
+        durability.atomic_write_json(os.path.join(tmp, "config.json"), config)
+        durability.atomic_write_json(os.path.join(tmp, "generation_config.json"),
                                   {"_from_model_config": True, "do_sample": False})
         if len(shards) > 1:
-            storage.atomic_write_json(os.path.join(tmp, "model.safetensors.index.json"),
+            durability.atomic_write_json(os.path.join(tmp, "model.safetensors.index.json"),
                                       {"metadata": {"total_size": total}, "weight_map": weight_map})
         if os.path.isdir(output):
             os.rmdir(output)  # empty, checked above
@@ -160,7 +160,7 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
 
 def _check_regular(path: str, folder: str) -> None:
     """A model folder is input from strangers: each file it names must be a regular file in it."""
-    os.close(storage.open_regular(path, "HF safetensors file", folder))
+    os.close(safe_files.open_regular(path, "HF safetensors file", folder))
 
 
 class HFReader:
@@ -171,10 +171,10 @@ class HFReader:
         index = os.path.join(folder, "model.safetensors.index.json")
         single = os.path.join(folder, "model.safetensors")
         if os.path.lexists(index):
-            weight_map = storage.read_json(index, "HF index", MAX_INDEX_BYTES, folder).get("weight_map")
+            weight_map = safe_files.read_json(index, "HF index", MAX_INDEX_BYTES, folder).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise FormatError(f"{index}: no 'weight_map' object")
-            self.files = {k: storage.safe_join(folder, v) for k, v in weight_map.items()}
+            self.files = {k: safe_files.safe_join(folder, v) for k, v in weight_map.items()}
         elif os.path.lexists(single):
             from safetensors import safe_open
 
@@ -233,7 +233,7 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
     from megatron_ucp import stream_write
 
     start = time.perf_counter()
-    config = storage.read_json(os.path.join(hf_dir, "config.json"), "HF config", MAX_CONFIG_BYTES, hf_dir)
+    config = safe_files.read_json(os.path.join(hf_dir, "config.json"), "HF config", MAX_CONFIG_BYTES, hf_dir)
     model = hf_map.from_hf_config(config)
     reader = HFReader(hf_dir)
     check_hf_tensors(model, reader)

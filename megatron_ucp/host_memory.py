@@ -9,13 +9,13 @@ Linux, or with `UCP_HUGE_PAGES=0`, the buffers are plain allocations.
 """
 
 import ctypes
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
-from megatron_ucp.storage import libc_function
+from megatron_ucp import settings
+from megatron_ucp.durability import libc_function
 
 HUGE_PAGE = 2 * 2**20
 _MADV_HUGEPAGE = 14
@@ -31,7 +31,7 @@ def huge_range(address: int, nbytes: int, page: int = HUGE_PAGE) -> Optional[tup
 
 
 def _enabled() -> bool:
-    return _MADVISE is not None and os.environ.get("UCP_HUGE_PAGES", "1") != "0"
+    return _MADVISE is not None and settings.huge_pages()
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

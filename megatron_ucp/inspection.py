@@ -9,7 +9,7 @@ import math
 import os
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage
+from megatron_ucp import checksums, safe_files, tensor_file
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
 from megatron_ucp.folder import TRACKER, iteration_dir
 
@@ -23,7 +23,7 @@ def resolve(path: str) -> str:
     if not os.path.lexists(tracker):
         raise IncompleteCheckpointError(
             f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
-    raw = storage.read_bounded(tracker, "tracker file", storage.MAX_TRACKER_BYTES, path)
+    raw = safe_files.read_bounded(tracker, "tracker file", safe_files.MAX_TRACKER_BYTES, path)
     return iteration_dir(path, mf.tracker_iteration(raw, tracker))
 
 
@@ -87,14 +87,14 @@ def format_table(desc: dict) -> str:
 def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
     """Every mismatching block's message: one fast pass, then block by block if it fails."""
     try:
-        storage.verify_range(path, base, end, sums, block, base=base, end=end)
+        checksums.verify_range(path, base, end, sums, block, base=base, end=end)
         return []
     except UCPError:
         pass
     problems = []
     for lo in range(base, end, block):
         try:
-            storage.verify_range(path, lo, min(lo + block, end), sums, block, base=base, end=end)
+            checksums.verify_range(path, lo, min(lo + block, end), sums, block, base=base, end=end)
         except UCPError as e:
             problems.append(str(e))
     return problems
@@ -106,7 +106,7 @@ def check_header(root: str, name: str, entry: dict) -> None:
     valid file with another header would be misread). Raises the UCPError naming the file."""
     rel = entry["file"]
     try:
-        path = storage.safe_join(root, rel)
+        path = safe_files.safe_join(root, rel)
         want = mf.file_layout(entry)
     except UCPError as e:
         raise type(e)(f"{rel}: {e}") from None
@@ -115,13 +115,13 @@ def check_header(root: str, name: str, entry: dict) -> None:
     size = entry.get("file_size")
     if size != want.file_size:
         raise FormatError(f"{path}: manifest file_size {size!r} but the layout of {name!r} needs {want.file_size} bytes")
-    fd = storage.open_regular(path, f"tensor file of {name!r}")
+    fd = safe_files.open_regular(path, f"tensor file of {name!r}")
     actual = os.fstat(fd).st_size
     os.close(fd)
     if actual != size:
         kind = "truncated" if actual < size else "too long"
         raise IntegrityError(f"{path}: file has {actual} bytes, manifest says {size} ({kind})")
-    got = storage.read_header(path)
+    got = tensor_file.read_header(path)
     if got.entries != want.entries or got.header != want.header:
         raise FormatError(f"{path}: header {list(got.entries)} does not match the manifest's layout {list(want.entries)}")
 
@@ -133,7 +133,7 @@ def check_file(root: str, name: str, entry: dict) -> list:
         check_header(root, name, entry)
     except UCPError as e:
         return [str(e)]
-    path = storage.safe_join(root, entry["file"])
+    path = safe_files.safe_join(root, entry["file"])
     size, block, sums = entry["file_size"], entry.get("block_bytes"), entry.get("checksums")
     base = len(mf.file_layout(entry).header)
     if not (isinstance(block, int) and block > 0 and isinstance(sums, list)
@@ -149,7 +149,7 @@ def verify_tensor(root: str, name: str, entry: dict) -> list:
     if problems:
         return problems
     base = len(mf.file_layout(entry).header)
-    return _verify_blocks(storage.safe_join(root, entry["file"]), base, entry["file_size"],
+    return _verify_blocks(safe_files.safe_join(root, entry["file"]), base, entry["file_size"],
                           entry["checksums"], entry["block_bytes"])
 
 
@@ -162,7 +162,7 @@ def _verify_rng(directory: str, layout: dict) -> list:
         if fname.endswith(".json"):
             path = os.path.join(folder, fname)
             try:
-                state = storage.read_json(path, "RNG state")
+                state = safe_files.read_json(path, "RNG state")
             except UCPError as e:
                 problems.append(str(e))
                 continue

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import checksums, host_memory, replicas, rng, storage
+from megatron_ucp import checksums, host_memory, replicas, rng, safe_files, settings, tensor_io
 from megatron_ucp.collective import run_everywhere
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.folder import iteration_dir, read_tracker
@@ -72,7 +72,7 @@ def _read_range(path, entry, layout, t, state, start, stop, counter, out=None, h
     """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
 
     Reads into `out` (stop - start fp32 elements) when given, else into a new array (on huge
-    pages: it is filled at once). Hashes the `hash_spans` it reads (storage.read_runs).
+    pages: it is filled at once). Hashes the `hash_spans` it reads (tensor_io.read_runs).
     """
     reads, complete = _file_runs(entry, t, state, start, stop)
     if out is None:
@@ -80,7 +80,7 @@ def _read_range(path, entry, layout, t, state, start, stop, counter, out=None, h
     if not complete:
         out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
     for name, file_runs in reads:
-        storage.read_runs(path, layout, name, file_runs, out, counter, hash_spans, hashes)
+        tensor_io.read_runs(path, layout, name, file_runs, out, counter, hash_spans, hashes)
     return out
 
 
@@ -253,7 +253,7 @@ def _inline_hash_bytes() -> int:
     """Reads shorter than this (a TP rank's half rows) are not hashed inline: each would be a
     piece to gather and combine. The pass after the load hashes those bytes, from the page
     cache the load has just filled. UCP_INLINE_HASH_BYTES overrides the 256 KiB."""
-    return storage.positive_int_env("UCP_INLINE_HASH_BYTES", 256 * 2**10)
+    return settings.inline_hash_bytes()
 
 
 class _Layouts(dict):
@@ -287,7 +287,7 @@ def _check_files(root: str, m: dict) -> list:
     sizes = {name: int(e.get("file_size", 0)) for name, e in m["tensors"].items()}
     mine = assign_files(sizes, dist.get_world_size())[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
-    found = storage.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
+    found = tensor_io.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
     problems = [p for file_problems in found for p in file_problems]
     if problems:
         raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
@@ -301,7 +301,7 @@ def _check_headers(root: str, m: dict, tensors, plan: _ReadPlan) -> None:
     from megatron_ucp.inspection import check_header
 
     names = sorted({t.name for t, reads in zip(tensors, plan.reads) if reads})
-    storage.in_parallel(lambda name: check_header(root, name, m["tensors"][name]), names)
+    tensor_io.in_parallel(lambda name: check_header(root, name, m["tensors"][name]), names)
 
 
 def _read_spans(m: dict, layouts, tensors, plan: _ReadPlan) -> dict:
@@ -314,7 +314,7 @@ def _read_spans(m: dict, layouts, tensors, plan: _ReadPlan) -> dict:
         for state, start, stop, _ in reads:
             for name, runs in _file_runs(entry, t, state, start, stop)[0]:
                 out.setdefault(t.name, []).extend(
-                    s for s in storage.read_spans(layout, name, runs) if s[1] - s[0] >= shortest)
+                    s for s in tensor_io.read_spans(layout, name, runs) if s[1] - s[0] >= shortest)
     return out
 
 
@@ -364,8 +364,8 @@ def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) ->
         for name, lo, hi in todo:
             by_file.setdefault(name, []).append((lo, hi))
         for name, spans in by_file.items():
-            path = storage.safe_join(root, m["tensors"][name]["file"])
-            crcs = storage.crc_spans(path, spans)
+            path = safe_files.safe_join(root, m["tensors"][name]["file"])
+            crcs = checksums.crc_spans(path, spans)
             hashes.setdefault(name, []).extend((lo, hi, c) for (lo, hi), c in zip(spans, crcs))
         return sum(hi - lo for _, lo, hi in todo)
 
@@ -379,7 +379,7 @@ def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) ->
         for name in plan.checks:
             entry = m["tensors"][name]
             hashed = [p for h in everyone for p in h.get(name, ())]
-            problems += checksums.check_blocks(storage.safe_join(root, entry["file"]),
+            problems += checksums.check_blocks(safe_files.safe_join(root, entry["file"]),
                                                len(layouts[name].header), entry["file_size"],
                                                entry["block_bytes"], entry["checksums"], hashed)
         if problems:
@@ -392,7 +392,7 @@ def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) ->
 def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, vocab_size: int,
                    iteration: Optional[int] = None, load_optim: bool = True,
                    load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
-                   counter: Optional[storage.ReadCounter] = None,
+                   counter: Optional[tensor_io.ReadCounter] = None,
                    load_scheduler: bool = True, read_policy: str = "auto") -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
@@ -415,7 +415,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
-    counter = counter if counter is not None else storage.ReadCounter()
+    counter = counter if counter is not None else tensor_io.ReadCounter()
     m, tensors, with_optim, changed, rng_state = run_everywhere(
         _prepare, root, model, optimizer, scheduler, vocab_size, iteration, load_optim,
         load_scheduler, load_rng)
@@ -458,13 +458,13 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
 def _read_tensors(root, m, layouts, tensors, plan: _ReadPlan, counter, hash_spans: dict,
                   hashes: dict, staged: dict) -> None:
     """This rank's reads from storage, in place where it can; several files in flight where
-    this node has cores to spare (storage.read_threads), each thread counting its own bytes.
+    this node has cores to spare (tensor_io.read_threads), each thread counting its own bytes.
     The `hash_spans` of each tensor are hashed as they are read, into `hashes`; the reads an
     exchange sends from a staging copy leave it in `staged`."""
     def load_one(i):
-        t, mine, found = tensors[i], storage.ReadCounter(), []
+        t, mine, found = tensors[i], tensor_io.ReadCounter(), []
         entry, layout = m["tensors"][t.name], layouts[t.name]
-        path = storage.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
+        path = safe_files.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
         spans = hash_spans.get(t.name, ())
         with torch.no_grad():
             for state, start, stop, keep in plan.reads[i]:  # the reads _read_spans planned the hashing of
@@ -479,7 +479,7 @@ def _read_tensors(root, m, layouts, tensors, plan: _ReadPlan, counter, hash_span
     # Largest first, so that the threads' tails are short.
     order = sorted((i for i, reads in enumerate(plan.reads) if reads),
                    key=lambda i: -sum(stop - start for _, start, stop, _ in plan.reads[i]))
-    for name, done, found in storage.in_parallel(load_one, order, storage.read_threads()):
+    for name, done, found in tensor_io.in_parallel(load_one, order, tensor_io.read_threads()):
         counter.bytes += done.bytes
         counter.calls += done.calls
         hashes.setdefault(name, []).extend(found)

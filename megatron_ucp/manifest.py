@@ -11,7 +11,8 @@ from typing import Dict, Optional
 
 from megatron_ucp.errors import FormatError, LayoutError
 from megatron_ucp.layout import PADDING, Rule, padding_shape
-from megatron_ucp.storage import MAX_MANIFEST_BYTES, TensorFileLayout, read_json
+from megatron_ucp.safe_files import MAX_MANIFEST_BYTES, read_json
+from megatron_ucp.tensor_file import TensorFileLayout
 
 FORMAT_NAME = "megatron-ucp"
 FORMAT_VERSION = 2  # 2: atomic names are megatron's checkpoint keys; 1 is read too (format_v1.py)

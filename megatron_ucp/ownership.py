@@ -26,7 +26,7 @@ import uuid
 
 import psutil
 
-from megatron_ucp import storage
+from megatron_ucp import durability
 from megatron_ucp.errors import SaveError
 
 OWNER = ".ucp_owner.json"
@@ -131,7 +131,7 @@ def claim(save_dir: str, stale_after: float = 3600.0, announce=print) -> None:
                     f"if it has stopped, delete {path}")
             who = owner.get("job") if isinstance(owner, dict) else "?"
             announce(f" taking over {save_dir} from job {who}: {reason} ({path})", flush=True)
-        storage.atomic_write_json(path, mine)
+        durability.atomic_write_json(path, mine)
 
 
 def release(save_dir: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage
+from megatron_ucp import durability, safe_files
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 
 
@@ -59,7 +59,7 @@ def problems(state) -> list:
 
 def save(directory: str, rank: int, state: dict = None) -> None:
     """Write `state` (by default, the state now) as this rank's RNG file."""
-    storage.atomic_write_json(_path(directory, rank), state if state is not None else capture())
+    durability.atomic_write_json(_path(directory, rank), state if state is not None else capture())
 
 
 def read(directory: str, rank: int) -> dict:
@@ -70,7 +70,7 @@ def read(directory: str, rank: int) -> dict:
         raise IncompleteCheckpointError(
             f"{path}: RNG state of rank {rank} is missing; load with load_rng=False (--no-load-rng) "
             "to reseed instead")
-    return checked(storage.read_json(path, f"RNG state of rank {rank}"), path)
+    return checked(safe_files.read_json(path, f"RNG state of rank {rank}"), path)
 
 
 def checked(state, path: str) -> dict:

@@ -25,7 +25,7 @@ import os
 import pickle
 import re
 
-from megatron_ucp import storage
+from megatron_ucp import safe_files
 from megatron_ucp.errors import FormatError
 
 # What torch DCP's `.metadata` pickle names (torch 2.13; megatron-core 0.16 adds no class of its own).
@@ -98,7 +98,7 @@ def read_dcp_metadata(iter_dir: str):
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = os.path.join(iter_dir, ".metadata")
-    raw = storage.read_bounded(path, "torch_dist metadata", MAX_DCP_METADATA_BYTES, iter_dir)
+    raw = safe_files.read_bounded(path, "torch_dist metadata", MAX_DCP_METADATA_BYTES, iter_dir)
     meta = loads_restricted(raw, path)
     if not isinstance(meta, Metadata):
         raise FormatError(f"{path}: holds a {type(meta).__name__}, expected torch DCP Metadata")
@@ -132,7 +132,7 @@ def torch_load(source, where, mmap: bool = False):
 def load_file(path: str, what: str, root=None, mmap: bool = False):
     """torch_load of a regular file inside `root` (its folder by default)."""
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
-    os.close(storage.open_regular(path, what, root))
+    os.close(safe_files.open_regular(path, what, root))
     return torch_load(path, f"{what} {path}", mmap=mmap)
 
 
@@ -142,7 +142,7 @@ def check_torch_file(path: str, what: str, root=None) -> None:
     import torch
 
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
-    os.close(storage.open_regular(path, what, root))
+    os.close(safe_files.open_regular(path, what, root))
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:  # noqa: BLE001 -- not a torch.save zip file
@@ -173,7 +173,7 @@ def _reader_class():
         def create_stream(self, path, mode):
             if "r" not in mode or "+" in mode:
                 raise FormatError(f"{path}: the checkpoint reader does not write")
-            fd = storage.open_regular(path, "torch_dist data file", self._root)
+            fd = safe_files.open_regular(path, "torch_dist data file", self._root)
             with os.fdopen(fd, "rb") as stream:
                 yield stream
 

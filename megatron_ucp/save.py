@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import host_memory, ownership, rng, storage
+from megatron_ucp import checksums, durability, host_memory, ownership, rng, settings, tensor_io
 from megatron_ucp.collective import all_true, exchange_objects, on_rank_zero, run_everywhere
 from megatron_ucp.errors import IncompleteCheckpointError, SaveError
 from megatron_ucp.folder import iteration_dir, write_tracker
@@ -142,15 +142,12 @@ def _with_ends(sources: dict, ends: dict) -> dict:
 
 def _merging_rows() -> bool:
     """UCP_MERGE_ROWS=0 writes split columns where they are (each rank its part of every row)."""
-    value = os.environ.get("UCP_MERGE_ROWS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"UCP_MERGE_ROWS must be 0 or 1, not {value!r}")
-    return value == "1"
+    return settings.merge_rows()
 
 
 def _create_files(tmp, entries, layouts, mine) -> None:
     for name in mine:
-        storage.create_tensor_file(os.path.join(tmp, entries[name]["file"]), layouts[name])
+        tensor_io.create_tensor_file(os.path.join(tmp, entries[name]["file"]), layouts[name])
 
 
 class _Staging:
@@ -284,11 +281,11 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
             path = os.path.join(tmp, entries[item.name]["file"])
             runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
             for state, chunk in snapshot[item.key].items():
-                storage.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
+                tensor_io.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
                                    runs, chunk)
-        storage.start_writeback(path)  # the disk writes this file while this rank writes the next
+        durability.start_writeback(path)  # the disk writes this file while this rank writes the next
 
-    storage.in_parallel(write_file, list(by_file.values()))
+    tensor_io.in_parallel(write_file, list(by_file.values()))
     if rng_state is not None:  # None: --no-save-rng, the manifest says "rng_saved": false
         rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
 
@@ -296,12 +293,12 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
 def _checksum(tmp, entries, layouts, mine) -> dict:
     def one(name):
         path = os.path.join(tmp, entries[name]["file"])
-        checksums = storage.block_checksums(path, len(layouts[name].header), layouts[name].file_size)
-        storage.fsync_file(path)  # after hashing, which the page cache serves while the disk writes
-        return name, {"file_size": layouts[name].file_size, "block_bytes": storage.BLOCK_BYTES,
-                      "checksums": checksums}
+        sums = checksums.block_checksums(path, len(layouts[name].header), layouts[name].file_size)
+        durability.fsync_file(path)  # after hashing, which the page cache serves while the disk writes
+        return name, {"file_size": layouts[name].file_size, "block_bytes": checksums.BLOCK_BYTES,
+                      "checksums": sums}
 
-    return dict(storage.in_parallel(one, list(mine)))
+    return dict(tensor_io.in_parallel(one, list(mine)))
 
 
 _CHECKPOINT_GROUP = None
@@ -399,10 +396,10 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
         everywhere(_exchange_rows, transfers, group)
         everywhere(_create_files, tmp, entries, layouts, created)
         everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)
-        checksums = everywhere(_checksum, tmp, entries, layouts, created)
+        sums = everywhere(_checksum, tmp, entries, layouts, created)
         # Only rank 0 writes them into the manifest: each rank sends it its files' checksums.
         device = _p2p_device() if group is None else torch.device("cpu")
-        all_checksums = list(exchange_objects({0: checksums} if checksums else {}, group, device).values())
+        all_checksums = list(exchange_objects({0: sums} if sums else {}, group, device).values())
         final = iteration_dir(save_dir, iteration)
         everywhere(lambda: _commit(save_dir, tmp, final, iteration, head, all_checksums, keep_last)
                    if rank == 0 else None)
@@ -448,12 +445,12 @@ def _commit(save_dir, tmp, final, iteration, manifest, all_checksums, keep_last)
             manifest["tensors"][name].update(info)
     path = os.path.join(tmp, mf.MANIFEST)
     try:
-        storage.atomic_write_json(path, manifest)
+        durability.atomic_write_json(path, manifest)
     except OSError as e:  # a full disk's error names no file
         raise SaveError(f"save of iteration {iteration} to {save_dir} failed, nothing committed: "
                         f"writing the manifest {path} failed: {e}") from e
-    storage.fsync_dir(os.path.join(tmp, "tensors"))
-    storage.fsync_dir(os.path.join(tmp, "rng"))
+    durability.fsync_dir(os.path.join(tmp, "tensors"))
+    durability.fsync_dir(os.path.join(tmp, "rng"))
     _replace_dir(tmp, final)
     write_tracker(save_dir, iteration)
     ownership.prune(save_dir, keep_last, newest=iteration)
@@ -466,7 +463,7 @@ def _replace_dir(tmp: str, final: str) -> None:
         old = f"{final}.old_{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
     os.rename(tmp, final)
-    storage.fsync_dir(os.path.dirname(final) or ".")
+    durability.fsync_dir(os.path.dirname(final) or ".")
     if old:
         shutil.rmtree(old, ignore_errors=True)
 

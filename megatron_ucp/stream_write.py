@@ -20,7 +20,7 @@ from typing import Callable, Dict
 import numpy as np
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage
+from megatron_ucp import checksums, durability
 from megatron_ucp.errors import ConfigError, FormatError
 from megatron_ucp.folder import iteration_dir, write_tracker
 from megatron_ucp.layout import PADDING
@@ -35,10 +35,10 @@ class _CrcWriter:
     def write(self, array: np.ndarray) -> None:
         raw = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         self.f.write(raw)
-        pos, block = 0, storage.BLOCK_BYTES
+        pos, block = 0, checksums.BLOCK_BYTES
         while pos < len(raw):
             take = min(block - self.filled, len(raw) - pos)
-            self.crc = storage.crc32(raw[pos:pos + take], self.crc)
+            self.crc = checksums.crc32(raw[pos:pos + take], self.crc)
             self.filled += take
             pos += take
             if self.filled == block:
@@ -83,7 +83,7 @@ def _write_one(args):
     metas, opener = _JOB
     meta = dict(metas[name])
     crcs = write_tensor_file(os.path.join(tmp, meta["file"]), meta, opener(name))
-    meta.update(file_size=mf.file_layout(meta).file_size, block_bytes=storage.BLOCK_BYTES, checksums=crcs)
+    meta.update(file_size=mf.file_layout(meta).file_size, block_bytes=checksums.BLOCK_BYTES, checksums=crcs)
     return name, meta
 
 
@@ -124,11 +124,11 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
                 bar.update(meta["file_size"])
         bar.close()
         for rank, state in rng.items():
-            storage.atomic_write_json(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), state)
-        storage.atomic_write_json(os.path.join(tmp, mf.MANIFEST), {**head, "tensors": dict(sorted(entries.items()))})
-        storage.fsync_dir(os.path.join(tmp, "tensors"))
+            durability.atomic_write_json(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), state)
+        durability.atomic_write_json(os.path.join(tmp, mf.MANIFEST), {**head, "tensors": dict(sorted(entries.items()))})
+        durability.fsync_dir(os.path.join(tmp, "tensors"))
         os.rename(tmp, final)
-        storage.fsync_dir(output_dir)
+        durability.fsync_dir(output_dir)
         write_tracker(output_dir, iteration)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

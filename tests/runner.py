@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ucp import storage  # noqa: E402
+from megatron_ucp import checksums, durability, tensor_io  # noqa: E402
 from megatron_ucp.layout import fragment_regions  # noqa: E402
 from megatron_ucp.load import load_universal  # noqa: E402
 from megatron_ucp.model_map import local_tensors  # noqa: E402
@@ -79,7 +79,7 @@ def roundtrip(step):
             node = f"node{dist.get_rank() // step['ranks_per_node']}"
             stack.callback(setattr, socket, "gethostname", socket.gethostname)
             socket.gethostname = lambda: node
-        counter = storage.ReadCounter()
+        counter = tensor_io.ReadCounter()
         result = load_universal(args.load, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=args.ckpt_step,
                                 counter=counter, read_policy=args.ckpt_read_policy)
@@ -104,7 +104,8 @@ def kill_during_save(step):
     with loop.session(step["argv"]) as (args, state):
         iteration, consumed = loop.resume(args, state)
         if dist.get_rank() == step["rank"]:
-            original, calls = getattr(storage, step["function"]), [0]
+            module = next(m for m in (tensor_io, checksums, durability) if hasattr(m, step["function"]))
+            original, calls = getattr(module, step["function"]), [0]
 
             def dying(*a, **k):
                 calls[0] += 1
@@ -112,7 +113,7 @@ def kill_during_save(step):
                     os.kill(os.getpid(), signal.SIGKILL)
                 return original(*a, **k)
 
-            setattr(storage, step["function"], dying)
+            setattr(module, step["function"], dying)
         save_universal(args.save, iteration + 1, state.model, state.optimizer, state.scheduler,
                        vocab_size=args.vocab_size, consumed_samples=consumed)
     return {"survived": True}

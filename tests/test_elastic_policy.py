@@ -172,7 +172,7 @@ def test_no_layout_fits_names_the_world_size():
 def test_latest_checkpoint_found_or_none(tmp_path):
     """What --elastic resumes: nothing yet (start fresh), a universal checkpoint, or a clear error."""
     from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-    from megatron_ucp.storage import atomic_write_json
+    from megatron_ucp.durability import atomic_write_json
     from megatron_ucp.folder import write_tracker
     from megatron_ucp.train.checkpointing import latest_checkpoint
 

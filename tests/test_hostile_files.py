@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from harness import BASE, REPO, free_port, ok, run_steps
-from megatron_ucp import folder, inspection, rng, safe_pickle, storage
+from megatron_ucp import folder, inspection, rng, safe_files, safe_pickle, tensor_file
 from megatron_ucp import manifest as mf
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, UCPError
 from megatron_ucp.train import checkpointing
@@ -304,9 +304,9 @@ def _universal_cases():
         yield f"rng_{kind}", f"{IT}/rng/rank_00000.json", make, says
         yield f"tracker_{kind}", "latest_checkpointed_iteration.txt", make, says
         yield f"tensor_{kind}", f"{IT}/tensors/{TENSOR}.safetensors", make, says
-    yield "manifest_oversize", f"{IT}/ucp.json", _oversize(storage.MAX_MANIFEST_BYTES), "at most"
-    yield "rng_oversize", f"{IT}/rng/rank_00000.json", _oversize(storage.MAX_RNG_BYTES), "at most"
-    yield "tracker_oversize", "latest_checkpointed_iteration.txt", _oversize(storage.MAX_TRACKER_BYTES), "at most"
+    yield "manifest_oversize", f"{IT}/ucp.json", _oversize(safe_files.MAX_MANIFEST_BYTES), "at most"
+    yield "rng_oversize", f"{IT}/rng/rank_00000.json", _oversize(safe_files.MAX_RNG_BYTES), "at most"
+    yield "tracker_oversize", "latest_checkpointed_iteration.txt", _oversize(safe_files.MAX_TRACKER_BYTES), "at most"
 
 
 def _reads(d: Path, rel: str):
@@ -460,20 +460,20 @@ def test_manifest_with_nan_is_refused(copy_of):
 
 def _longer_header(path: Path) -> None:
     """The same tensors at the same values, behind a longer (valid) header: offsets shift."""
-    layout = storage.read_header(str(path))
+    layout = tensor_file.read_header(str(path))
     raw = path.read_bytes()
     meta = json.loads(layout.header[8:])
     meta["__metadata__"] = {"padding": "x" * 64}
     body = json.dumps(meta).encode()
     body += b" " * (-(8 + len(body)) % 8)
     path.write_bytes(len(body).to_bytes(8, "little") + body + raw[len(layout.header):])
-    storage.read_header(str(path))  # a valid safetensors file
+    tensor_file.read_header(str(path))  # a valid safetensors file
 
 
 def _swapped_offsets(path: Path) -> None:
     """param and exp_avg trade places in the header (same length, a valid file): a reader that
     takes offsets from the manifest's layout would load the moments as weights."""
-    layout = storage.read_header(str(path))
+    layout = tensor_file.read_header(str(path))
     meta = json.loads(layout.header[8:])
     meta["param"]["data_offsets"], meta["exp_avg"]["data_offsets"] = (meta["exp_avg"]["data_offsets"],
                                                                       meta["param"]["data_offsets"])
@@ -482,7 +482,7 @@ def _swapped_offsets(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     raw[8:len(layout.header)] = body
     path.write_bytes(bytes(raw))
-    storage.read_header(str(path))  # a valid safetensors file
+    tensor_file.read_header(str(path))  # a valid safetensors file
 
 
 @pytest.mark.parametrize("damage, says", [("longer_header", "too long"), ("swapped_offsets", "header")])

@@ -239,7 +239,7 @@ def test_full_disk_on_the_manifest_names_it(tmp_path, monkeypatch):
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(save.storage, "atomic_write_json", full)
+    monkeypatch.setattr(save.durability, "atomic_write_json", full)
     tmp = tmp_path / ".tmp_iter_0000003_x"
     tmp.mkdir()
     with pytest.raises(SaveError) as e:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import storage
+from megatron_ucp import checksums, durability, tensor_file, tensor_io
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.inspection import describe, format_table, verify
 
@@ -57,21 +57,21 @@ def _make_checkpoint(save: Path) -> Path:
             entry["vocab"] = True
         layout = mf.file_layout(entry)
         path = str(root / entry["file"])
-        storage.create_tensor_file(path, layout)
+        tensor_io.create_tensor_file(path, layout)
         for tname, tshape, _ in layout.entries:
             data = rng.standard_normal(tshape).astype(np.float32)
-            storage.write_runs(path, layout, tname, [(0, 0, data.size)], data)
+            tensor_io.write_runs(path, layout, tname, [(0, 0, data.size)], data)
         entry.update(file_size=layout.file_size, block_bytes=BLOCK,
-                     checksums=storage.block_checksums(path, len(layout.header), layout.file_size, BLOCK))
+                     checksums=checksums.block_checksums(path, len(layout.header), layout.file_size, BLOCK))
         entries[name] = entry
-    storage.atomic_write_json(str(root / mf.MANIFEST), {
+    durability.atomic_write_json(str(root / mf.MANIFEST), {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": ITERATION,
         "consumed_samples": 96,
         "architecture": ARCHITECTURE, "layout": LAYOUT,
         "optimizer": {"type": "adam", "step": 3, "param_groups": []}, "scheduler": None, "args": {},
         "tensors": entries,
     })
-    storage.atomic_write_json(str(root / "rng" / "rank_00000.json"), RNG_STATE)
+    durability.atomic_write_json(str(root / "rng" / "rank_00000.json"), RNG_STATE)
     (save / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
     return root
 
@@ -219,8 +219,8 @@ def test_wrong_header(ckpt):
     path = _file(root, name)
     # Same byte count, other layout: the states reordered.
     entry = describe_entry(root, name)
-    other = storage.TensorFileLayout.build([(s, (8,), "F32") for s in reversed(entry["states"])])
-    storage.create_tensor_file(str(path), other)
+    other = tensor_file.TensorFileLayout.build([(s, (8,), "F32") for s in reversed(entry["states"])])
+    tensor_io.create_tensor_file(str(path), other)
     problems = verify(str(save))
     assert len(problems) == 1 and str(path) in problems[0] and "header" in problems[0]
 

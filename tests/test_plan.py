@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_ucp.errors import ConfigError
 from megatron_ucp.layout import MAIN, Region, region_runs
 from megatron_ucp.plan import (SHORT_ROW_BYTES, RowMerge, WriteItem, assign_writers, check_coverage, merge_rows,
                                plan_in_memory, row_merges)
@@ -146,5 +147,5 @@ def test_merge_switch_must_be_0_or_1(monkeypatch):
     monkeypatch.setenv("UCP_MERGE_ROWS", "0")
     assert _merging_rows() is False
     monkeypatch.setenv("UCP_MERGE_ROWS", "yes")
-    with pytest.raises(ValueError, match="UCP_MERGE_ROWS must be 0 or 1"):
+    with pytest.raises(ConfigError, match="UCP_MERGE_ROWS"):
         _merging_rows()

@@ -233,7 +233,7 @@ def w2(work, w4, converted, dist_converted, legacy_converted):
 @pytest.fixture(scope="module")
 def w1(work, w4):
     """One process: it trains, and it loads TP2xPP2 with the node's cores to itself, so the load
-    reads several files at once (storage.read_threads)."""
+    reads several files at once (tensor_io.read_threads)."""
     ok(w4, "a_tp2pp2")
     d = lambda name: str(work / name)  # noqa: E731
     return run_steps(1, [train("t_single", []), train("b_single", DIST, load=d("A"), step=K),

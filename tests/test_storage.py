@@ -1,4 +1,4 @@
-"""Tests for megatron_ucp.storage: headers, positional run I/O, hostile headers, checksums,
+"""Tests for the tensor files (tensor_file, tensor_io, safe_files, durability, checksums): headers, positional run I/O, hostile headers, checksums,
 atomic writes and manifest path safety."""
 
 import json
@@ -8,6 +8,7 @@ import sys
 import threading
 import tracemalloc
 import zlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,23 +17,14 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save_file as np_save_file
 
-from megatron_ucp import storage
+from megatron_ucp import checksums, durability, tensor_file, tensor_io
+from megatron_ucp import settings as ucp_settings
+from megatron_ucp.checksums import block_checksums, verify_range
+from megatron_ucp.durability import atomic_write_bytes, atomic_write_json
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
-from megatron_ucp.storage import (
-    ReadCounter,
-    TensorFileLayout,
-    atomic_write_bytes,
-    atomic_write_json,
-    block_checksums,
-    create_tensor_file,
-    read_header,
-    read_json,
-    read_runs,
-    safe_join,
-    safetensors_header,
-    verify_range,
-    write_runs,
-)
+from megatron_ucp.safe_files import read_json, safe_join
+from megatron_ucp.tensor_file import TensorFileLayout, read_header, safetensors_header
+from megatron_ucp.tensor_io import ReadCounter, create_tensor_file, read_runs, write_runs
 
 OPT = ("param", "exp_avg", "exp_avg_sq")
 
@@ -99,7 +91,7 @@ def test_create_is_exact_size_reserved_and_truncates_old_content(tmp_path):
         assert f.read(len(lay.header) + 8) == lay.header + b"\0" * 8
     fd = os.open(path, os.O_RDWR)
     try:  # where the file system can reserve blocks, create_tensor_file has reserved them all
-        reserved = storage.reserve_space(fd, lay.file_size, path)
+        reserved = durability.reserve_space(fd, lay.file_size, path)
     finally:
         os.close(fd)
     if reserved and hasattr(st_, "st_blocks"):
@@ -125,20 +117,16 @@ def _half_rows(rows, cols):
        offset_rows=st.integers(0, 3))
 def test_mapped_and_positional_writes_give_the_same_file(tmp_path, rows, cols, dtype, offset_rows):
     lay = _layout((rows + offset_rows, cols), dtype)
-    npdt = storage.SAFETENSORS_DTYPES[dtype]
+    npdt = tensor_file.SAFETENSORS_DTYPES[dtype]
     data = {n: np.random.default_rng(rows * cols).integers(1, 100, (rows, cols // 2)).astype(npdt) for n in OPT}
     runs = [(src, dst + offset_rows * cols, n) for src, dst, n in _half_rows(rows, cols)]
     files = {}
     for mapped in (True, False):
         path = str(tmp_path / f"{mapped}.safetensors")
         create_tensor_file(path, lay)
-        saved = storage.MAPPED_WRITES
-        storage.MAPPED_WRITES = mapped
-        try:
+        with mock.patch.dict(os.environ, {"UCP_MAPPED_WRITES": str(int(mapped))}):
             for n in OPT:
                 assert write_runs(path, lay, n, runs, data[n]) == data[n].nbytes
-        finally:
-            storage.MAPPED_WRITES = saved
         files[mapped] = open(path, "rb").read()
     assert files[True] == files[False]
     loaded = np_load_file(str(tmp_path / "True.safetensors"))
@@ -149,8 +137,8 @@ def test_mapped_and_positional_writes_give_the_same_file(tmp_path, rows, cols, d
 
 def _spy_mapped(monkeypatch):
     calls = []
-    real = storage._write_mapped
-    monkeypatch.setattr(storage, "_write_mapped", lambda *a: calls.append(1) or real(*a))
+    real = tensor_io._write_mapped
+    monkeypatch.setattr(tensor_io, "_write_mapped", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -158,7 +146,7 @@ def test_many_small_runs_go_through_the_mapping_only_where_blocks_are_reserved(t
     lay = _layout((64, 96))
     data = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
     calls = _spy_mapped(monkeypatch)
-    monkeypatch.setattr(storage, "MAPPED_WRITES", True)
+    monkeypatch.setenv("UCP_MAPPED_WRITES", "1")
     path = str(tmp_path / "reserved.safetensors")
     create_tensor_file(path, lay)
     write_runs(path, lay, "param", _half_rows(64, 96), data)
@@ -167,8 +155,8 @@ def test_many_small_runs_go_through_the_mapping_only_where_blocks_are_reserved(t
     np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
 
     calls.clear()  # a sparse file: a page fault could fail for want of space, so no mapping
-    real_fallocate = storage._FALLOCATE
-    monkeypatch.setattr(storage, "_FALLOCATE", None)
+    real_fallocate = durability._FALLOCATE
+    monkeypatch.setattr(durability, "_FALLOCATE", None)
     path = str(tmp_path / "sparse.safetensors")
     create_tensor_file(path, lay)
     write_runs(path, lay, "param", _half_rows(64, 96), data)
@@ -176,7 +164,7 @@ def test_many_small_runs_go_through_the_mapping_only_where_blocks_are_reserved(t
     np.testing.assert_array_equal(np_load_file(path)["param"][:, :48], data)
 
     calls.clear()  # one large run: a positional write is cheaper than the page faults
-    monkeypatch.setattr(storage, "_FALLOCATE", real_fallocate)
+    monkeypatch.setattr(durability, "_FALLOCATE", real_fallocate)
     path = str(tmp_path / "large.safetensors")
     create_tensor_file(path, lay)
     write_runs(path, lay, "param", [(0, 0, 64 * 48)], data)
@@ -195,7 +183,7 @@ def _failing_fallocate(err):
 def test_a_full_disk_fails_at_creation_naming_the_file(tmp_path, monkeypatch):
     import errno
 
-    monkeypatch.setattr(storage, "_FALLOCATE", _failing_fallocate(errno.ENOSPC))
+    monkeypatch.setattr(durability, "_FALLOCATE", _failing_fallocate(errno.ENOSPC))
     path = str(tmp_path / "full.safetensors")
     with pytest.raises(OSError) as e:
         create_tensor_file(path, _layout((1024,)))
@@ -205,7 +193,7 @@ def test_a_full_disk_fails_at_creation_naming_the_file(tmp_path, monkeypatch):
 def test_a_file_system_without_fallocate_keeps_sparse_files(tmp_path, monkeypatch):
     import errno
 
-    monkeypatch.setattr(storage, "_FALLOCATE", _failing_fallocate(errno.EOPNOTSUPP))
+    monkeypatch.setattr(durability, "_FALLOCATE", _failing_fallocate(errno.EOPNOTSUPP))
     calls = _spy_mapped(monkeypatch)
     lay = _layout((64, 96))
     path = str(tmp_path / "sparse.safetensors")
@@ -222,9 +210,9 @@ def test_mapped_writes_switch_must_be_0_or_1(monkeypatch):
 
     monkeypatch.setenv("UCP_MAPPED_WRITES", "yes")
     with pytest.raises(ConfigError, match="UCP_MAPPED_WRITES"):
-        storage._mapped_writes()
+        ucp_settings.mapped_writes()
     monkeypatch.setenv("UCP_MAPPED_WRITES", "0")
-    assert storage._mapped_writes() is False
+    assert ucp_settings.mapped_writes() is False
 
 
 # ---------------------------------------------------------------- concurrent writers
@@ -255,7 +243,7 @@ def test_disjoint_writers_roundtrip_through_safetensors(tmp_path, scenario):
     shape, dtype, runs, writers, owner, order = scenario
     path = str(tmp_path / "t.safetensors")
     lay = _layout(shape, dtype)
-    npdt = storage.SAFETENSORS_DTYPES[dtype]
+    npdt = tensor_file.SAFETENSORS_DTYPES[dtype]
     rng = np.random.default_rng(len(runs))
     expected = {n: rng.integers(0, 100, size=shape).astype(npdt) for n in OPT}
     create_tensor_file(path, lay)
@@ -392,7 +380,7 @@ def test_adjacent_runs_are_coalesced(filled, monkeypatch):
         assert counter.calls == 1
         np.testing.assert_array_equal(out.reshape(100, 10), arrays["param"].reshape(100, 10)[::-1])
     if hasattr(os, "pwritev"):
-        monkeypatch.setattr(storage, "MAPPED_WRITES", False)  # positional writes, counted here
+        monkeypatch.setenv("UCP_MAPPED_WRITES", "0")  # positional writes, counted here
         calls = []  # number of buffers per syscall
         real = os.pwritev
         monkeypatch.setattr(os, "pwritev", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
@@ -413,7 +401,7 @@ def test_reads_hash_the_spans_they_read_whole(filled):
     base = lay.data_offset("exp_avg")
     # Elements 100..300 in two runs, adjacent in the file, apart in the buffer; and 600..650.
     runs = [(100, 0, 100), (200, 500, 100), (600, 200, 50)]
-    spans = storage.read_spans(lay, "exp_avg", runs)
+    spans = tensor_io.read_spans(lay, "exp_avg", runs)
     assert spans == [(base + 400, base + 1200), (base + 2400, base + 2600)]
     asked = [(base + 400, base + 1200), (base + 500, base + 900), (base + 1100, base + 2500),
              (base + 2400, base + 2401), (base + 2500, base + 2600)]
@@ -423,9 +411,9 @@ def test_reads_hash_the_spans_they_read_whole(filled):
     inside = [a for a in asked if any(lo <= a[0] and a[1] <= hi for lo, hi in spans)]
     assert sorted(hashes) == sorted((lo, hi, zlib.crc32(raw[lo:hi])) for lo, hi in inside)
     assert (base + 1100, base + 2500) not in [h[:2] for h in hashes]  # across two reads: skipped
-    assert storage.crc_spans(path, asked) == [zlib.crc32(raw[lo:hi]) for lo, hi in asked]
+    assert checksums.crc_spans(path, asked) == [zlib.crc32(raw[lo:hi]) for lo, hi in asked]
     with pytest.raises(IntegrityError, match="file ends"):
-        storage.crc_spans(path, [(len(raw) - 4, len(raw) + 4)])
+        checksums.crc_spans(path, [(len(raw) - 4, len(raw) + 4)])
 
 
 @pytest.mark.parametrize("mode", ["short transfers", "no vectored io"])
@@ -574,8 +562,8 @@ def test_tiny_and_missing_files(tmp_path):
 @given(st.binary(max_size=5000), st.integers(0, 2**32 - 1), st.integers(0, 5000))
 def test_fast_crc32_gives_zlibs_sums(data, start, cut):
     """The checksums on disk are zlib's crc32 whichever implementation computed them."""
-    assert storage.crc32(data) == zlib.crc32(data)
-    assert storage.crc32(data[cut:], storage.crc32(data[:cut], start)) == zlib.crc32(data, start)
+    assert checksums.crc32(data) == zlib.crc32(data)
+    assert checksums.crc32(data[cut:], checksums.crc32(data[:cut], start)) == zlib.crc32(data, start)
 
 
 def test_block_checksums_detect_and_locate_a_flipped_bit(tmp_path):
@@ -727,10 +715,10 @@ def test_safe_join_refuses_symlink_escape(tmp_path):
 @pytest.mark.parametrize("linux", [True, False])
 def test_start_writeback_leaves_the_bytes_and_needs_no_linux(tmp_path, monkeypatch, linux):
     if not linux:
-        monkeypatch.setattr(storage, "_SYNC_RANGE", None)
+        monkeypatch.setattr(durability, "_SYNC_RANGE", None)
     path = tmp_path / "w.bin"
     payload = os.urandom(3 * 2**20)
     path.write_bytes(payload)
-    assert storage.start_writeback(str(path)) == (linux and sys.platform == "linux")
-    storage.fsync_file(str(path))
+    assert durability.start_writeback(str(path)) == (linux and sys.platform == "linux")
+    durability.fsync_file(str(path))
     assert path.read_bytes() == payload

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_ucp import rng, safe_pickle, storage
+from megatron_ucp import rng, safe_files, safe_pickle
 from megatron_ucp.errors import IncompleteCheckpointError
 from megatron_ucp.model_map import unwrap
 
@@ -72,10 +72,10 @@ def check_folder(directory: str) -> None:
         path = os.path.join(directory, entry)
         known = entry in (".metadata", "common.pt", "metadata.json") or entry.endswith(".distcp")
         if known or os.path.islink(path) or not os.path.isdir(path):
-            os.close(storage.open_regular(path, "torch_dist checkpoint file", directory))
+            os.close(safe_files.open_regular(path, "torch_dist checkpoint file", directory))
     config = os.path.join(directory, "metadata.json")
     if os.path.lexists(config):
-        storage.read_bounded(config, "torch_dist config", MAX_CONFIG_BYTES, directory)
+        safe_files.read_bounded(config, "torch_dist config", MAX_CONFIG_BYTES, directory)
     common = os.path.join(directory, "common.pt")
     if os.path.lexists(common):
         safe_pickle.check_torch_file(common, "torch_dist common state", directory)
