@@ -386,21 +386,18 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
         check_bucket_layout(reader, atomics, source)
     step, groups = _step_and_groups(common, reader, sharding)
     rng = _rng_states(reader, world)
-    layout = {
-        "world_size": world if rng else None, "tensor_model_parallel_size": source.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": source.pipeline_model_parallel_size,
-        "virtual_pipeline_model_parallel_size": source.virtual_pipeline_model_parallel_size,
-        "data_parallel_size": source.data_parallel_size,
-        "expert_model_parallel_size": source.expert_model_parallel_size,
-        "expert_tensor_parallel_size": source.expert_tensor_parallel_size or source.tensor_model_parallel_size,
-        "use_distributed_optimizer": bool(source.use_distributed_optimizer), "padded_vocab_size": padded,
-    }
-    head = {
-        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": int(common["iteration"]),
-        "consumed_samples": int(common.get("consumed_samples") or 0), "architecture": architecture,
-        "layout": layout, "optimizer": {"type": "adam", "step": step, "param_groups": groups},
-        "scheduler": common.get("opt_param_scheduler"), "args": mf.jsonable(stored),
-    }
+    layout = mf.Layout(
+        world_size=world if rng else None, tensor_model_parallel_size=source.tensor_model_parallel_size,
+        pipeline_model_parallel_size=source.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=source.virtual_pipeline_model_parallel_size,
+        data_parallel_size=source.data_parallel_size,
+        expert_model_parallel_size=source.expert_model_parallel_size,
+        expert_tensor_parallel_size=source.expert_tensor_parallel_size or source.tensor_model_parallel_size,
+        use_distributed_optimizer=bool(source.use_distributed_optimizer), padded_vocab_size=padded)
+    head = mf.head(iteration=common["iteration"], consumed_samples=common.get("consumed_samples") or 0,
+                   architecture=architecture, layout=layout,
+                   optimizer={"type": "adam", "step": step, "param_groups": groups},
+                   scheduler=common.get("opt_param_scheduler"), args=stored)
     reader.close()
     return Plan(int(common["iteration"]), sharding, atomics, head, rng)
 

@@ -45,19 +45,19 @@ class Plan:
 def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
     from megatron_ucp.manifest import MANIFEST
-    from megatron_ucp.folder import iteration_dir, read_tracker
+    from megatron_ucp.folder import iteration_dir, iteration_of, read_tracker
     from megatron_ucp.train.checkpointing import found_format
 
     if not os.path.isdir(ckpt):
         raise IncompleteCheckpointError(f"{ckpt}: no such checkpoint folder")
     if os.path.lexists(os.path.join(ckpt, MANIFEST)):  # an iter_ folder
         root, name = os.path.split(os.path.normpath(ckpt))
-        number = name[len("iter_"):] if name.startswith("iter_") else ""
-        if not number.isdigit():
+        number = iteration_of(name)
+        if number is None:
             raise FormatError(f"{ckpt}: an iteration folder is named iter_NNNNNNN; give its parent folder")
-        if iteration is not None and iteration != int(number):
+        if iteration is not None and iteration != number:
             raise ConfigError(f"--iteration {iteration} contradicts the iteration folder {ckpt}")
-        return root, int(number)
+        return root, number
     it = iteration if iteration is not None else read_tracker(ckpt)
     directory = iteration_dir(ckpt, it)
     if not os.path.isdir(directory):

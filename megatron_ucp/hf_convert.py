@@ -247,14 +247,13 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
         return assemble
 
     argv = hf_map.megatron_args(model)
-    layout = {"world_size": None, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-              "virtual_pipeline_model_parallel_size": None, "data_parallel_size": None,
-              "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
-              "use_distributed_optimizer": False, "padded_vocab_size": model.vocab_size}
-    head = {"format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": 0, "consumed_samples": 0,
-            "architecture": hf_map.architecture(model), "layout": layout, "optimizer": None, "scheduler": None,
-            "args": mf.jsonable(given_args(argv)), "rng_saved": False,
-            "source": {"huggingface": os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]}}
+    layout = mf.Layout(world_size=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                       virtual_pipeline_model_parallel_size=None, data_parallel_size=None,
+                       expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                       use_distributed_optimizer=False, padded_vocab_size=model.vocab_size)
+    head = mf.head(iteration=0, consumed_samples=0, architecture=hf_map.architecture(model), layout=layout,
+                   optimizer=None, scheduler=None, args=given_args(argv), rng_saved=False,
+                   source={"huggingface": os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]})
     summary = stream_write.write_checkpoint(output, 0, metas, opener, head, {}, workers, progress, start)
     summary["family"] = hf_map.ARCHITECTURES[model.family]
     summary["megatron_args"] = argv

@@ -11,7 +11,7 @@ import os
 from megatron_ucp import manifest as mf
 from megatron_ucp import checksums, safe_files, tensor_file
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
-from megatron_ucp.folder import TRACKER, iteration_dir
+from megatron_ucp.folder import TRACKER, iteration_dir, rng_file, tracker_iteration
 
 
 def resolve(path: str) -> str:
@@ -24,7 +24,7 @@ def resolve(path: str) -> str:
         raise IncompleteCheckpointError(
             f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
     raw = safe_files.read_bounded(tracker, "tracker file", safe_files.MAX_TRACKER_BYTES, path)
-    return iteration_dir(path, mf.tracker_iteration(raw, tracker))
+    return iteration_dir(path, tracker_iteration(raw, tracker))
 
 
 def _file_bytes(entry: dict) -> int:
@@ -169,7 +169,7 @@ def _verify_rng(directory: str, layout: dict) -> list:
             problems += [mf.rng_problem_message(path, p) for p in mf.rng_problems(state)]
     world = layout.get("world_size")
     for rank in range(world if isinstance(world, int) else 0):
-        p = os.path.join(folder, f"rank_{rank:05d}.json")
+        p = rng_file(folder, rank)
         if not os.path.exists(p):
             problems.append(f"{p}: RNG state of rank {rank} (of world_size {world}) is missing")
     return problems

@@ -555,20 +555,12 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
 
 def _manifest(plan: Plan, entries: dict) -> dict:
     """Everything in the manifest but the tensors' entries."""
-    a = plan.args
-    layout = {
+    layout = mf.Layout(
         # Without RNG files the saving layout is recorded as unknown, so a loader reseeds.
-        "world_size": plan.tp * plan.pp * plan.dp if plan.rng and plan.dp else None, "tensor_model_parallel_size": plan.tp,
-        "pipeline_model_parallel_size": plan.pp, "virtual_pipeline_model_parallel_size": plan.vpp,
-        "data_parallel_size": plan.dp, "expert_model_parallel_size": 1,
-        "expert_tensor_parallel_size": plan.tp, "use_distributed_optimizer": plan.dist_opt,
-    }
-    for e in entries.values():
-        if e.get("vocab"):
-            layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
-    return {
-        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": plan.iteration,
-        "consumed_samples": plan.consumed, "architecture": plan.architecture, "layout": layout,
-        "optimizer": {"type": "adam", "step": plan.step, "param_groups": plan.param_groups},
-        "scheduler": plan.scheduler, "args": mf.jsonable(a),
-    }
+        world_size=plan.tp * plan.pp * plan.dp if plan.rng and plan.dp else None, tensor_model_parallel_size=plan.tp,
+        pipeline_model_parallel_size=plan.pp, virtual_pipeline_model_parallel_size=plan.vpp,
+        data_parallel_size=plan.dp, expert_model_parallel_size=1, expert_tensor_parallel_size=plan.tp,
+        use_distributed_optimizer=plan.dist_opt, padded_vocab_size=mf.padded_vocab_size(entries))
+    return mf.head(iteration=plan.iteration, consumed_samples=plan.consumed, architecture=plan.architecture,
+                   layout=layout, optimizer={"type": "adam", "step": plan.step, "param_groups": plan.param_groups},
+                   scheduler=plan.scheduler, args=plan.args)

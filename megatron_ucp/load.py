@@ -241,7 +241,7 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     with_optim = optimizer is not None and load_optim
     tensors = local_tensors(model, optimizer if with_optim else None, vocab_size, for_load=True)
     _check_tensors(m, tensors, root, strict=False)
-    changed = not _same_layout(m["layout"], current_layout(optimizer))
+    changed = not _same_layout(m["layout"], current_layout(optimizer).to_json())
     # A checkpoint saved without RNG (--no-save-rng) reseeds; a missing file of one saved with
     # it stays an error naming --no-load-rng.
     load_rng = load_rng and m.get("rng_saved", True) is not False

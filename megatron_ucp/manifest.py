@@ -7,16 +7,17 @@ names the file and the key at fault.
 import math
 import os
 import re
+from dataclasses import asdict, dataclass
 from typing import Dict, Optional
 
 from megatron_ucp.errors import FormatError, LayoutError
+from megatron_ucp.folder import MANIFEST, iteration_of
 from megatron_ucp.layout import PADDING, Rule, padding_shape
 from megatron_ucp.safe_files import MAX_MANIFEST_BYTES, read_json
 from megatron_ucp.tensor_file import TensorFileLayout
 
 FORMAT_NAME = "megatron-ucp"
 FORMAT_VERSION = 2  # 2: atomic names are megatron's checkpoint keys; 1 is read too (format_v1.py)
-MANIFEST = "ucp.json"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
@@ -25,6 +26,50 @@ def tensor_file(name: str) -> str:
     if not _SAFE_NAME.match(name) or ".." in name:
         raise FormatError(f"atomic tensor name {name!r} is not a safe file name")
     return f"tensors/{name}.safetensors"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout that wrote a checkpoint: the manifest's 'layout'. A loader restores
+    RNG states only on the same layout; `world_size` None (a conversion without RNG states)
+    makes it reseed. `padded_vocab_size`: the vocabulary rows with their padding, when the
+    model has vocabulary tensors."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: Optional[int]
+    data_parallel_size: Optional[int]
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int
+    use_distributed_optimizer: bool
+    world_size: Optional[int] = None
+    padded_vocab_size: Optional[int] = None
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        if out["padded_vocab_size"] is None:
+            del out["padded_vocab_size"]
+        return out
+
+
+def padded_vocab_size(entries: dict) -> Optional[int]:
+    """The vocabulary rows with their padding, from the tensor entries (None without any)."""
+    return next((e["shape"][0] + e["padding_rows"] for e in entries.values() if e.get("vocab")), None)
+
+
+def head(*, iteration: int, consumed_samples: int, architecture: dict, layout: Layout, optimizer,
+         scheduler, args, rng_saved: bool = True, **extra) -> dict:
+    """Everything in a manifest but its tensor entries, as every writer of a checkpoint (the
+    save and the converters) records it. `optimizer`: {"type", "step", "param_groups"[,
+    "grad_scaler"]} or None; `extra`: optional blocks ("progress", "source")."""
+    out = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": int(iteration),
+           "consumed_samples": int(consumed_samples), "architecture": architecture,
+           "layout": layout.to_json(), "optimizer": optimizer, "scheduler": scheduler,
+           "args": jsonable(args or {})}
+    if not rng_saved:
+        out["rng_saved"] = False
+    out.update({k: v for k, v in extra.items() if v is not None})
+    return out
 
 
 def tensor_entry(name: str, shape, vocab: bool, padding_rows: int, states, buffer: bool = False) -> dict:
@@ -157,7 +202,6 @@ SCHEDULER_WD = ((("start_wd",), _NUMBER), (("end_wd",), _NUMBER), (("wd_incr_ste
 GRAD_SCALER = {"scale": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
                "growth_tracker": _COUNT,
                "hysteresis_tracker": (_is_int, "an integer")}
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
 def _check_block(block: dict, schema: dict, path: str, where: str) -> None:
@@ -257,15 +301,6 @@ def rng_problem_message(path: str, found: tuple) -> str:
     return f"{path}: {key!r} is {shown}, expected {expected}"
 
 
-def tracker_iteration(raw: bytes, path: str) -> int:
-    """The iteration a tracker file names: ASCII digits only (int() would take '-4', '+4',
-    '4_0' and other scripts' digits), so that it names an `iter_XXXXXXX` folder."""
-    found = re.fullmatch(rb"\s*([0-9]{1,19})\s*", raw)
-    if found is None:
-        raise FormatError(f"{path}: expected an iteration number (digits 0-9), found {raw[:40]!r}")
-    return int(found.group(1))
-
-
 def _need(cond, path, message):
     if not cond:
         raise FormatError(f"{path}: {message}")
@@ -320,10 +355,9 @@ def _check_meaning(m: dict, path: str, directory: str) -> None:
     """What the manifest says about the run agrees with itself and with its folder's name."""
     for key in ("iteration", "consumed_samples"):
         _need(_COUNT[0](m[key]), path, f"'{key}' is {m[key]!r}, expected {_COUNT[1]}")
-    folder = _ITER_DIR.match(os.path.basename(os.path.normpath(directory)))
-    _need(folder is None or int(folder.group(1)) == m["iteration"], path,
-          f"'iteration' is {m['iteration']}, expected {int(folder.group(1)) if folder else ''} "
-          f"(the number of its folder)")
+    number = iteration_of(os.path.basename(os.path.normpath(directory)))
+    _need(number is None or number == m["iteration"], path,
+          f"'iteration' is {m['iteration']}, expected {number} (the number of its folder)")
     for key, value in ARCHITECTURE_SINCE.items():
         m["architecture"].setdefault(key, value)
     _check_block(m["architecture"], ARCHITECTURE, path, "architecture")

@@ -18,7 +18,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shutil
 import socket
 import time
@@ -28,12 +27,12 @@ import psutil
 
 from megatron_ucp import durability
 from megatron_ucp.errors import SaveError
+from megatron_ucp.folder import OLD_MARK, TMP_PREFIX, iteration_dir, iteration_of
 
 OWNER = ".ucp_owner.json"
 LOCK = ".ucp_owner.lock"
 _JOB_ID = next((v for v in (os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("SLURM_JOB_ID"))
                 if v and v != "none"), None) or uuid.uuid4().hex  # torchrun's default --rdzv-id is "none"
-_ITER = re.compile(r"^iter_(\d{7,})$")
 _UNKNOWN = -1.0  # the start time of a process we may not inspect
 
 
@@ -153,10 +152,10 @@ def remove_leftovers(save_dir: str) -> None:
     """
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name)
-        if name.startswith(".tmp_iter_"):
+        if name.startswith(TMP_PREFIX):
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith("iter_") and ".old_" in name:
-            base = os.path.join(save_dir, name.split(".old_")[0])
+        elif name.startswith("iter_") and OLD_MARK in name:
+            base = os.path.join(save_dir, name.split(OLD_MARK)[0])
             if os.path.exists(base):
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -167,8 +166,8 @@ def prune(save_dir: str, keep_last: int, newest: int) -> list:
     """Delete complete checkpoints beyond the newest `keep_last`; never the tracker's `newest`."""
     if keep_last is None or keep_last < 1:
         return []
-    found = sorted(int(m.group(1)) for m in map(_ITER.match, os.listdir(save_dir)) if m)
+    found = sorted(i for i in map(iteration_of, os.listdir(save_dir)) if i is not None)
     doomed = [i for i in found[:-keep_last] if i != newest]
     for i in doomed:
-        shutil.rmtree(os.path.join(save_dir, f"iter_{i:07d}"), ignore_errors=True)
+        shutil.rmtree(iteration_dir(save_dir, i), ignore_errors=True)
     return doomed

@@ -13,11 +13,8 @@ from megatron.core import tensor_parallel
 
 from megatron_ucp import manifest as mf
 from megatron_ucp import durability, safe_files
+from megatron_ucp.folder import rng_file
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-
-
-def _path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank_{rank:05d}.json")
 
 
 def _bytes(t: torch.Tensor) -> list:
@@ -59,13 +56,13 @@ def problems(state) -> list:
 
 def save(directory: str, rank: int, state: dict = None) -> None:
     """Write `state` (by default, the state now) as this rank's RNG file."""
-    durability.atomic_write_json(_path(directory, rank), state if state is not None else capture())
+    durability.atomic_write_json(rng_file(directory, rank), state if state is not None else capture())
 
 
 def read(directory: str, rank: int) -> dict:
     """This rank's RNG state, checked: FormatError naming the file and key, or
     IncompleteCheckpointError naming --no-load-rng when the file is missing."""
-    path = _path(directory, rank)
+    path = rng_file(directory, rank)
     if not os.path.lexists(path):
         raise IncompleteCheckpointError(
             f"{path}: RNG state of rank {rank} is missing; load with load_rng=False (--no-load-rng) "

@@ -16,7 +16,6 @@ import os
 import pickle
 import shutil
 import threading
-import uuid
 
 import numpy as np
 import torch
@@ -24,10 +23,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import checksums, durability, host_memory, ownership, rng, settings, tensor_io
+from megatron_ucp import checksums, durability, folder, host_memory, ownership, rng, settings, tensor_io
 from megatron_ucp.collective import all_true, exchange_objects, on_rank_zero, run_everywhere
 from megatron_ucp.errors import IncompleteCheckpointError, SaveError
-from megatron_ucp.folder import iteration_dir, write_tracker
+from megatron_ucp.folder import iteration_dir
 from megatron_ucp.layout import region_runs
 from megatron_ucp.model_map import local_tensors, unwrap
 from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, plain_groups,
@@ -35,18 +34,19 @@ from megatron_ucp.optimizer_state import (grad_scaler_state, inner_optimizers, p
 from megatron_ucp.plan import offer_items, part_shapes_of, plan_save
 
 
-def current_layout(optimizer) -> dict:
+def current_layout(optimizer, padded_vocab_size=None) -> mf.Layout:
     ps = parallel_state
-    return {
-        "world_size": dist.get_world_size(),
-        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-        "data_parallel_size": ps.get_data_parallel_world_size(),
-        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
-        "use_distributed_optimizer": uses_distributed_optimizer(optimizer),
-    }
+    return mf.Layout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        use_distributed_optimizer=uses_distributed_optimizer(optimizer),
+        padded_vocab_size=padded_vocab_size,
+    )
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -94,10 +94,7 @@ def _prepare(save_dir: str, iteration: int) -> str:
     os.makedirs(save_dir, exist_ok=True)
     ownership.claim(save_dir)
     ownership.remove_leftovers(save_dir)
-    tmp = os.path.join(save_dir, f".tmp_iter_{iteration:07d}_{uuid.uuid4().hex[:8]}")
-    os.makedirs(os.path.join(tmp, "tensors"))
-    os.makedirs(os.path.join(tmp, "rng"))
-    return tmp
+    return folder.begin(save_dir, iteration)
 
 
 _PLAN_CACHE = {}  # digest of what this rank offered -> (its plan, entries of the files it creates)
@@ -401,7 +398,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
         device = _p2p_device() if group is None else torch.device("cpu")
         all_checksums = list(exchange_objects({0: sums} if sums else {}, group, device).values())
         final = iteration_dir(save_dir, iteration)
-        everywhere(lambda: _commit(save_dir, tmp, final, iteration, head, all_checksums, keep_last)
+        everywhere(lambda: _commit(save_dir, tmp, iteration, head, all_checksums, keep_last)
                    if rank == 0 else None)
     except Exception as e:
         if rank == 0 and tmp is not None:
@@ -415,57 +412,23 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
 def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                    consumed_samples, args, save_rng=True, progress=None) -> dict:
     """Everything in the manifest but the checksums, taken when the save is called."""
-    layout = current_layout(optimizer)
-    for e in entries.values():
-        if e.get("vocab"):
-            layout["padded_vocab_size"] = e["shape"][0] + e["padding_rows"]
-    head = {
-        "format": mf.FORMAT_NAME,
-        "version": mf.FORMAT_VERSION,
-        "iteration": int(iteration),
-        "consumed_samples": int(consumed_samples),
-        "architecture": mf.architecture(unwrap(model[0]), vocab_size),
-        "layout": layout,
-        "optimizer": None if optimizer is None else _optimizer_record(optimizer),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "args": _jsonable(args or {}),
-        "tensors": copy.deepcopy(entries),
-    }
-    if not save_rng:
-        head["rng_saved"] = False
-    if progress is not None:
-        head["progress"] = _jsonable(progress)
+    head = mf.head(iteration=iteration, consumed_samples=consumed_samples,
+                   architecture=mf.architecture(unwrap(model[0]), vocab_size),
+                   layout=current_layout(optimizer, mf.padded_vocab_size(entries)),
+                   optimizer=None if optimizer is None else _optimizer_record(optimizer),
+                   scheduler=scheduler.state_dict() if scheduler is not None else None,
+                   args=args, rng_saved=save_rng,
+                   progress=None if progress is None else mf.jsonable(progress))
+    head["tensors"] = copy.deepcopy(entries)
     return head
 
 
-def _commit(save_dir, tmp, final, iteration, manifest, all_checksums, keep_last) -> None:
-    """Rank 0: manifest into the temporary folder, rename it into place, then the tracker."""
+def _commit(save_dir, tmp, iteration, manifest, all_checksums, keep_last) -> None:
+    """Rank 0: every rank's checksums into the manifest, the folder committed, old ones pruned."""
     for c in all_checksums:
         for name, info in c.items():
             manifest["tensors"][name].update(info)
-    path = os.path.join(tmp, mf.MANIFEST)
-    try:
-        durability.atomic_write_json(path, manifest)
-    except OSError as e:  # a full disk's error names no file
-        raise SaveError(f"save of iteration {iteration} to {save_dir} failed, nothing committed: "
-                        f"writing the manifest {path} failed: {e}") from e
-    durability.fsync_dir(os.path.join(tmp, "tensors"))
-    durability.fsync_dir(os.path.join(tmp, "rng"))
-    _replace_dir(tmp, final)
-    write_tracker(save_dir, iteration)
+    folder.commit(save_dir, tmp, iteration, manifest)
     ownership.prune(save_dir, keep_last, newest=iteration)
 
 
-def _replace_dir(tmp: str, final: str) -> None:
-    """Move the finished folder into place; an older folder of the same name goes last."""
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old_{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    durability.fsync_dir(os.path.dirname(final) or ".")
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-_jsonable = mf.jsonable

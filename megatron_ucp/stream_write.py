@@ -5,8 +5,8 @@ A converter supplies, per atomic tensor, its manifest entry (shape, vocabulary m
 and a function that assembles one state at a time as `{part: array}` ('' for the tensor,
 layout.PADDING for its vocabulary padding rows). Each file is written once, sequentially, with
 its block checksums computed from memory; `workers` forked processes write tensors in
-parallel. Everything goes into a temporary folder that is renamed into place and then named by
-the tracker, so a failed or killed conversion leaves no half checkpoint behind.
+parallel. The commit is the save's (folder.begin/commit), so a failed or killed conversion
+leaves no half checkpoint behind.
 """
 
 import math
@@ -14,15 +14,14 @@ import multiprocessing
 import os
 import shutil
 import time
-import uuid
 from typing import Callable, Dict
 
 import numpy as np
 
 from megatron_ucp import manifest as mf
-from megatron_ucp import checksums, durability
+from megatron_ucp import checksums, durability, folder
 from megatron_ucp.errors import ConfigError, FormatError
-from megatron_ucp.folder import iteration_dir, write_tracker
+from megatron_ucp.folder import iteration_dir
 from megatron_ucp.layout import PADDING
 
 
@@ -99,10 +98,7 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
     final = iteration_dir(output_dir, iteration)
     if os.path.exists(final):
         raise ConfigError(f"{final} exists already; choose another --output")
-    os.makedirs(output_dir, exist_ok=True)
-    tmp = os.path.join(output_dir, f".tmp_iter_{iteration:07d}_{uuid.uuid4().hex[:8]}")
-    os.makedirs(os.path.join(tmp, "tensors"))
-    os.makedirs(os.path.join(tmp, "rng"))
+    tmp = folder.begin(output_dir, iteration)
     # Largest first: the pool's tail is short, and memory peaks early where it shows.
     names = sorted(metas, key=lambda n: -math.prod(metas[n]["shape"]))
     total = sum(mf.file_layout(m).file_size for m in metas.values())
@@ -124,12 +120,8 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
                 bar.update(meta["file_size"])
         bar.close()
         for rank, state in rng.items():
-            durability.atomic_write_json(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), state)
-        durability.atomic_write_json(os.path.join(tmp, mf.MANIFEST), {**head, "tensors": dict(sorted(entries.items()))})
-        durability.fsync_dir(os.path.join(tmp, "tensors"))
-        os.rename(tmp, final)
-        durability.fsync_dir(output_dir)
-        write_tracker(output_dir, iteration)
+            durability.atomic_write_json(folder.rng_file(os.path.join(tmp, "rng"), rank), state)
+        folder.commit(output_dir, tmp, iteration, {**head, "tensors": dict(sorted(entries.items()))})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

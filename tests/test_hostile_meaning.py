@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from harness import BASE, REPO, ok, run_steps
+from megatron_ucp import folder
 from megatron_ucp import manifest as mf
 from megatron_ucp import ownership
 from megatron_ucp.errors import FormatError, LayoutError, SaveError
@@ -158,14 +159,14 @@ def test_architecture_compares_every_key():
 
 @pytest.mark.parametrize("raw, expected", [(b"12\n", 12), (b" 7 ", 7), (b"0", 0)])
 def test_tracker_numbers(raw, expected):
-    assert mf.tracker_iteration(raw, "t") == expected
+    assert folder.tracker_iteration(raw, "t") == expected
 
 
 @pytest.mark.parametrize("raw", [b"-4", b"+4", b"4_0", "\u0663".encode(), b"\xff\xfe", b"", b"release",
                                  b"1" * 30])
 def test_tracker_refuses_what_names_no_folder(raw):
     with pytest.raises(FormatError, match="tracker.txt: expected an iteration number"):
-        mf.tracker_iteration(raw, "tracker.txt")
+        folder.tracker_iteration(raw, "tracker.txt")
 
 
 def _rng(**changes):
@@ -234,17 +235,17 @@ def test_inspect_verify_lists_bad_rng_content(synthetic):
 
 
 def test_full_disk_on_the_manifest_names_it(tmp_path, monkeypatch):
-    from megatron_ucp import save
+    from megatron_ucp import folder
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(save.durability, "atomic_write_json", full)
-    tmp = tmp_path / ".tmp_iter_0000003_x"
-    tmp.mkdir()
-    with pytest.raises(SaveError) as e:
-        save._commit(str(tmp_path), str(tmp), str(tmp_path / "iter_0000003"), 3, {"tensors": {}}, [], None)
-    assert str(tmp / mf.MANIFEST) in str(e.value) and "No space left on device" in str(e.value)
+    monkeypatch.setattr(folder, "atomic_write_json", full)
+    tmp = folder.begin(str(tmp_path), 3)
+    with pytest.raises(OSError) as e:
+        folder.commit(str(tmp_path), tmp, 3, {"tensors": {}})
+    assert os.path.join(tmp, mf.MANIFEST) in str(e.value) and "No space left on device" in str(e.value)
+    assert not (tmp_path / "iter_0000003").exists() and not (tmp_path / folder.TRACKER).exists()
 
 
 # ---------------------------------------------------------------------------------------------
