@@ -29,6 +29,21 @@ def stored_args(iteration_dir: str) -> dict:
     return dict(args) if isinstance(args, dict) else {}
 
 
+def found_format(directory: str):
+    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
+    from megatron_ucp.folder import MANIFEST
+    from megatron_ucp.legacy_convert import is_legacy
+
+    if os.path.lexists(os.path.join(directory, MANIFEST)):
+        return "universal", MANIFEST
+    if is_legacy(directory):
+        return "torch", "mp_rank_* folders"
+    names = os.listdir(directory)
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        return "torch_dist", ".metadata / *.distcp files"
+    return None, None
+
+
 def _resolve(input_dir: str, iteration):
     from megatron_ucp.folder import iteration_dir, read_tracker
     from megatron_ucp.legacy_convert import is_legacy
@@ -71,8 +86,8 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     from megatron_ucp.launch import run_workers
 
     start = time.perf_counter()
-    code = run_workers(world, "megatron_ucp.convert", [
-        "--worker", "--input", root, "--output", output_dir, "--iteration", str(it), "--", *argv,
+    code = run_workers(world, "megatron_ucp.train.workers", [
+        "convert", "--output", output_dir, "--", *argv,
         "--cpu", "--ckpt-format", "torch_dist", "--load", root, "--ckpt-step", str(it)])
     if code != 0:
         raise FormatError(f"conversion of {iteration_dir(root, it)} failed (exit code {code})")
@@ -84,21 +99,6 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     nbytes = sum(e["file_size"] for e in tensors.values())
     return {"iteration": it, "output": out, "tensors": len(tensors), "bytes": nbytes,
             "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
-
-
-def _worker(output_dir: str, argv: list) -> None:
-    import torch.distributed as dist
-
-    from megatron_ucp.folder import iteration_dir
-    from megatron_ucp.save import save_universal
-    from megatron_ucp.train import loop, native
-
-    with loop.session(argv) as (args, state):
-        it, consumed = native.load(args, state, iteration_dir(args.load, args.ckpt_step))
-        save_universal(output_dir, it, state.model, state.optimizer, state.scheduler,
-                       vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args))
-        if dist.get_rank() == 0:
-            print(f" converted iteration {it} into {iteration_dir(output_dir, it)}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -114,11 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--via-megatron", action="store_true",
                    help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(own)
-    if a.worker:
-        _worker(a.output, extra)
-        return 0
     if a.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
     summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress,
@@ -128,7 +124,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the --worker processes of --via-megatron
+if __name__ == "__main__":
     try:
         sys.exit(main())
     except UCPError as e:

@@ -46,7 +46,7 @@ def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
     from megatron_ucp.manifest import MANIFEST
     from megatron_ucp.folder import iteration_dir, iteration_of, read_tracker
-    from megatron_ucp.train.checkpointing import found_format
+    from megatron_ucp.convert import found_format
 
     if not os.path.isdir(ckpt):
         raise IncompleteCheckpointError(f"{ckpt}: no such checkpoint folder")
@@ -158,8 +158,8 @@ def export(p: Plan) -> dict:
     from megatron_ucp.folder import iteration_dir
 
     start = time.perf_counter()
-    code = run_workers(p.nproc, "megatron_ucp.export_torch_dist", [
-        "--worker", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
+    code = run_workers(p.nproc, "megatron_ucp.train.workers", [
+        "export", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
     if code != 0:
         raise FormatError(f"export of {iteration_dir(p.root, p.iteration)} to {p.output} failed "
                           f"(exit code {code}; the workers' message is above)")
@@ -167,27 +167,6 @@ def export(p: Plan) -> dict:
     files = [os.path.join(out, f) for f in os.listdir(out)]
     return {"output": out, "files": len(files), "bytes": sum(os.path.getsize(f) for f in files),
             "seconds": time.perf_counter() - start}
-
-
-def worker(root: str, iteration: int, output: str, argv: list) -> None:
-    """In each process of the target layout: universal load, then megatron's torch_dist save."""
-    import torch.distributed as dist
-
-    from megatron_ucp.folder import iteration_dir
-    from megatron_ucp.load import load_universal
-    from megatron_ucp.train import checkpointing, loop
-
-    with loop.session(argv) as (args, state):
-        result = load_universal(root, state.model, state.optimizer, state.scheduler,
-                                vocab_size=args.vocab_size, iteration=iteration,
-                                reseed=lambda it: loop.set_seeds(args.seed + it))
-        if dist.get_rank() == 0:
-            rng = "reseeded (another layout)" if result.layout_changed else "restored (same layout)"
-            print(f" loaded universal iteration {result.iteration} from "
-                  f"{iteration_dir(root, iteration)}: {result.bytes_read / 1e6:.1f} MB "
-                  f"on rank 0, RNG {rng}", flush=True)
-        args.save, args.load = output, None  # stored in common.pt: where this checkpoint is
-        checkpointing.save(args, state, result.iteration, result.consumed_samples)
 
 
 def main(argv=None) -> int:
@@ -203,11 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--dist-ckpt-optim-format", choices=["dp_reshardable", "fully_reshardable"],
                    default=None, help="how the distributed optimizer's state is sharded "
                                       "(default dp_reshardable, megatron's)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(own)
-    if a.worker:
-        worker(a.ckpt, a.iteration, a.out, extra)
-        return 0
     job = plan(a.ckpt, a.out, a.iteration, extra, a.nproc, a.dist_ckpt_optim_format)
     print(f"exporting iteration {job.iteration} of {job.root} to torch_dist on {job.nproc} CPU "
           f"processes: {job.layout}", flush=True)
@@ -217,7 +192,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the workers
+if __name__ == "__main__":
     try:
         sys.exit(main())
     except UCPError as e:

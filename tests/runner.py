@@ -161,9 +161,9 @@ def save_with_disk_full(step):
 
 def convert(step):
     """The converter's worker, in this process group: native load, universal save."""
-    from megatron_ucp.convert import _worker
+    from megatron_ucp.train import workers
 
-    _worker(step["output"], step["argv"])
+    workers.convert(step["output"], step["argv"])
     return {}
 
 

@@ -44,18 +44,8 @@ ALLOWED_UPWARD = {
         "converters parse the stored training arguments with the training parser",
     ("megatron_ucp.source_model", "megatron_ucp.train.model"):
         "converters build the source model with the training model builder",
-    # `convert --via-megatron` is an application, not library: its worker runs the training
-    # session in the source layout, loads with megatron's torch_dist loader (train/native.py)
-    # and saves universally. Goes when that worker moves to an entry point (tools/).
-    ("megatron_ucp.convert", "megatron_ucp.train.loop"): "--via-megatron worker: training session",
-    ("megatron_ucp.convert", "megatron_ucp.train.native"): "--via-megatron worker: torch_dist load",
-    # The torch_dist export is an application too: its workers run the training session, load
-    # universally and save with the training application's torch_dist save
-    # (checkpointing.save; found_format names what a folder holds); it carries and refuses
-    # flags by the training parser's argument groups. Goes with it to an entry point.
+    # The torch_dist export carries and refuses flags by the training parser's argument groups.
     ("megatron_ucp.export_torch_dist", "megatron_ucp.train.args"): "flags carried/refused by parser group",
-    ("megatron_ucp.export_torch_dist", "megatron_ucp.train.checkpointing"): "torch_dist save, found_format",
-    ("megatron_ucp.export_torch_dist", "megatron_ucp.train.loop"): "export worker: training session",
 }
 
 

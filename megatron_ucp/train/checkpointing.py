@@ -249,25 +249,13 @@ LOAD_FLAGS = {"universal": "--ckpt-format universal (the default) or --load-univ
               "torch_dist": "--ckpt-format torch_dist", "torch": "--ckpt-format torch"}
 
 
-def found_format(directory: str):
-    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
-    from megatron_ucp.legacy_convert import is_legacy
-
-    if _is_universal(directory):
-        return "universal", "ucp.json"
-    if is_legacy(directory):
-        return "torch", "mp_rank_* folders"
-    names = os.listdir(directory)
-    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-        return "torch_dist", ".metadata / *.distcp files"
-    return None, None
-
-
 def check_format(directory: str, wanted: str) -> None:
     """The folder holds a checkpoint of the format asked for: no silent fallback to another
     format's loader (megatron's unpickles; a universal resume must not quietly become one)."""
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
+    from megatron_ucp.convert import found_format
+
     found, evidence = found_format(directory)
     if found is None:
         raise IncompleteCheckpointError(f"{directory}: holds no checkpoint (no ucp.json, .metadata, "

@@ -1,0 +1,75 @@
+"""Worker processes of the training application that the converters start by name.
+
+Converting through megatron's own code needs processes of a layout running a training session:
+`convert` loads a torch_dist checkpoint with megatron's loader and saves it universally
+(`convert_to_universal --via-megatron`); `export` loads a universal checkpoint and saves it
+with megatron's torch_dist writer (`export_torch_dist`). The converters start them as
+`python -m megatron_ucp.train.workers KIND ...` (launch.run_workers) and never import them, so
+the library does not depend on the application.
+"""
+
+import argparse
+import sys
+
+import torch.distributed as dist
+
+from megatron_ucp.errors import UCPError, report
+from megatron_ucp.folder import iteration_dir
+
+
+def convert(output_dir: str, argv: list) -> None:
+    """In each process of the source layout: megatron's torch_dist load, then a universal save."""
+    from megatron_ucp.save import save_universal
+    from megatron_ucp.train import loop, native
+
+    with loop.session(argv) as (args, state):
+        it, consumed = native.load(args, state, iteration_dir(args.load, args.ckpt_step))
+        save_universal(output_dir, it, state.model, state.optimizer, state.scheduler,
+                       vocab_size=args.vocab_size, consumed_samples=consumed, args=vars(args))
+        if dist.get_rank() == 0:
+            print(f" converted iteration {it} into {iteration_dir(output_dir, it)}", flush=True)
+
+
+def export(root: str, iteration: int, output: str, argv: list) -> None:
+    """In each process of the target layout: universal load, then megatron's torch_dist save."""
+    from megatron_ucp.load import load_universal
+    from megatron_ucp.train import checkpointing, loop
+
+    with loop.session(argv) as (args, state):
+        result = load_universal(root, state.model, state.optimizer, state.scheduler,
+                                vocab_size=args.vocab_size, iteration=iteration,
+                                reseed=lambda it: loop.set_seeds(args.seed + it))
+        if dist.get_rank() == 0:
+            rng = "reseeded (another layout)" if result.layout_changed else "restored (same layout)"
+            print(f" loaded universal iteration {result.iteration} from "
+                  f"{iteration_dir(root, iteration)}: {result.bytes_read / 1e6:.1f} MB "
+                  f"on rank 0, RNG {rng}", flush=True)
+        args.save, args.load = output, None  # stored in common.pt: where this checkpoint is
+        checkpointing.save(args, state, result.iteration, result.consumed_samples)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="megatron_ucp.train.workers")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    c = kinds.add_parser("convert", help="torch_dist load, universal save (--via-megatron)")
+    c.add_argument("--output", required=True)
+    e = kinds.add_parser("export", help="universal load, torch_dist save (export_torch_dist)")
+    e.add_argument("ckpt")
+    e.add_argument("out")
+    e.add_argument("--iteration", type=int, required=True)
+    a = p.parse_args(own)
+    if a.kind == "convert":
+        convert(a.output, extra)
+    else:
+        export(a.ckpt, a.iteration, a.out, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UCPError as e:
+        sys.exit(report("megatron_ucp.train.workers", e))
