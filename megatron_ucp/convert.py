@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, UCPError, report
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
 
 def stored_args(iteration_dir: str) -> dict:
     """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in its common
@@ -125,7 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UCPError as e:
-        sys.exit(report("convert_to_universal", e))
+    run_command(main, "convert_to_universal")

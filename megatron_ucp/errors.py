@@ -53,3 +53,15 @@ def report(prog: str, error: UCPError, stream=None) -> int:
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         time.sleep(2)  # torchrun stops the other workers when one exits: let rank 0 print first
     return 2
+
+
+def run_command(main, prog: str) -> None:
+    """A command's `if __name__ == "__main__"`: exit with main()'s code, a UCPError reported
+    once per job as `<prog>: error: ...` (report) instead of a traceback per rank."""
+    import sys
+
+    try:
+        code = main()
+    except UCPError as e:
+        code = report(prog, e)
+    sys.exit(code)

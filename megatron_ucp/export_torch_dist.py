@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, UCPError, report
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
 
 # Argument groups of pretrain_gpt_ucp.py taken from the checkpoint: what the model is and how it
 # trains. Parallelism, checkpointing and data flags are this export's (or not needed).
@@ -193,7 +193,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UCPError as e:
-        sys.exit(report("export_torch_dist", e))
+    run_command(main, "export_torch_dist")

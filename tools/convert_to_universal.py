@@ -20,10 +20,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ucp.convert import main  # noqa: E402
-from megatron_ucp.errors import UCPError, report  # noqa: E402
+from megatron_ucp.errors import run_command  # noqa: E402
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UCPError as e:
-        sys.exit(report("convert_to_universal", e))
+    run_command(main, "convert_to_universal")

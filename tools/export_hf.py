@@ -18,7 +18,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ucp.errors import UCPError, report  # noqa: E402
+from megatron_ucp.errors import run_command  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -41,7 +41,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UCPError as e:
-        sys.exit(report("export_hf", e))
+    run_command(main, "export_hf")

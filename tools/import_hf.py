@@ -17,7 +17,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ucp.errors import ConfigError, UCPError, report  # noqa: E402
+from megatron_ucp.errors import ConfigError, run_command  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UCPError as e:
-        sys.exit(report("import_hf", e))
+    run_command(main, "import_hf")

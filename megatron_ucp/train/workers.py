@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_ucp.errors import UCPError, report
+from megatron_ucp.errors import run_command
 from megatron_ucp.folder import iteration_dir
 
 
@@ -69,7 +69,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UCPError as e:
-        sys.exit(report("megatron_ucp.train.workers", e))
+    run_command(main, "megatron_ucp.train.workers")
