@@ -170,10 +170,11 @@ def convert(step):
 def export_torch_dist(step):
     """The torch_dist exporter's plan and workers, in this process group (the tool starts its own)."""
     from megatron_ucp import export_torch_dist as export
+    from megatron_ucp.train import workers
 
     job = export.plan(step["input"], step["output"], step.get("iteration"), step["argv"],
                       dist.get_world_size(), step.get("optim_format"))
-    export.worker(job.root, job.iteration, job.output, job.argv)
+    workers.export(job.root, job.iteration, job.output, job.argv)
     return {"layout": job.layout}
 
 
