@@ -100,7 +100,7 @@ def make_checkpoint(work: Path, a, fmt: str) -> Path:
 
 def idle_rss() -> int:
     """RSS of a Python process that has imported what the converter imports (its floor)."""
-    code = ("import torch, numpy, tqdm, megatron_ucp.convert, megatron_ucp.legacy_convert, psutil, os, "
+    code = ("import torch, numpy, tqdm, megatron_ucp.convert.to_universal, megatron_ucp.convert.legacy, psutil, os, "
             "megatron.core.models.gpt; "
             "print(psutil.Process(os.getpid()).memory_info().rss)")
     env = dict(os.environ, PYTHONPATH=str(REPO))

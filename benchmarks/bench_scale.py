@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py [--quick] [--json OUT]
 
 For real model shapes and rank counts, every rank's tensors come from the model's shape and the
-layout (megatron_ucp/model_shapes.py, checked against model_map on small real models by
+layout (megatron_ucp/mcore/model_shapes.py, checked against model_map on small real models by
 tests/test_model_shapes.py); each rank's offers from plan.offer_items and its manifest entries
 from save._tensor_entries, as the real save makes them. The plan is then built with the real
 save's planner (plan.route_offers -> plan.plan_owned on each owner -> plan.finish_plan, rank 0's
@@ -51,12 +51,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ucp import manifest as mf  # noqa: E402
-from megatron_ucp import plan as pl  # noqa: E402
-from megatron_ucp import read_plan  # noqa: E402
-from megatron_ucp.read_plan import Need  # noqa: E402
-from megatron_ucp.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
-from megatron_ucp.save import _tensor_entries  # noqa: E402
+from megatron_ucp.format import manifest as mf  # noqa: E402
+from megatron_ucp.engine import plan as pl  # noqa: E402
+from megatron_ucp.engine import read_plan  # noqa: E402
+from megatron_ucp.engine.read_plan import Need  # noqa: E402
+from megatron_ucp.mcore.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
+from megatron_ucp.engine.save import _tensor_entries  # noqa: E402
 
 LLAMA3_70B = ModelShape(num_layers=80, hidden=8192, ffn=28672, heads=64, kv_groups=8, vocab=128256,
                         kv_channels=128, make_vocab_size_divisible_by=128)

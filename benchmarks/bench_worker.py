@@ -15,11 +15,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from disk import CHUNK, drop_cache, sequential_read, sequential_write  # noqa: E402
-from megatron_ucp import tensor_io  # noqa: E402
-from megatron_ucp.folder import iteration_dir, write_tracker  # noqa: E402
-from megatron_ucp.load import load_universal  # noqa: E402
-from megatron_ucp.optimizer_state import inner_optimizers  # noqa: E402
-from megatron_ucp.save import save_universal  # noqa: E402
+from megatron_ucp.format import tensor_io  # noqa: E402
+from megatron_ucp.format.folder import iteration_dir, write_tracker  # noqa: E402
+from megatron_ucp.engine.load import load_universal  # noqa: E402
+from megatron_ucp.mcore.optimizer_state import inner_optimizers  # noqa: E402
+from megatron_ucp.engine.save import save_universal  # noqa: E402
 from megatron_ucp.train import loop, native  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def disk_read(work: str, nbytes: int) -> dict:
 
 def tensor_data_bytes(folder: str) -> int:
     """The checkpoint's tensor data: every tensor file's bytes but its header."""
-    from megatron_ucp import manifest as mf
+    from megatron_ucp.format import manifest as mf
 
     layouts = [mf.file_layout(e) for e in mf.read_manifest(folder)["tensors"].values()]
     return sum(layout.file_size - len(layout.header) for layout in layouts)

@@ -2,7 +2,7 @@
 
 import os
 
-from megatron_ucp import durability
+from megatron_ucp.format import durability
 
 CHUNK = 64 * 2**20
 

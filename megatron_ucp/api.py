@@ -9,7 +9,7 @@ Both are collective over the job's default process group, after megatron's model
 state is initialised. `vocab_size` is the true (unpadded) vocabulary.
 """
 
-from megatron_ucp.load import LoadResult, load_universal
-from megatron_ucp.save import save_universal
+from megatron_ucp.engine.load import LoadResult, load_universal
+from megatron_ucp.engine.save import save_universal
 
 __all__ = ["save_universal", "load_universal", "LoadResult"]

@@ -19,11 +19,11 @@ warnings.filterwarnings("ignore")
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ucp import checksums, durability, tensor_io  # noqa: E402
-from megatron_ucp.layout import fragment_regions  # noqa: E402
-from megatron_ucp.load import load_universal  # noqa: E402
-from megatron_ucp.model_map import local_tensors  # noqa: E402
-from megatron_ucp.save import save_universal  # noqa: E402
+from megatron_ucp.format import checksums, durability, tensor_io  # noqa: E402
+from megatron_ucp.format.layout import fragment_regions  # noqa: E402
+from megatron_ucp.engine.load import load_universal  # noqa: E402
+from megatron_ucp.mcore.model_map import local_tensors  # noqa: E402
+from megatron_ucp.engine.save import save_universal  # noqa: E402
 from megatron_ucp.train import loop  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def roundtrip(step):
     `ranks_per_node`: the ranks see themselves on nodes of that many ranks (host names)."""
     import socket
 
-    from megatron_ucp import replicas
+    from megatron_ucp.engine import replicas
 
     odd = dist.get_rank() == step.get("odd_digest_rank")
     with environment(step.get("env", {})), loop.session(step["argv"]) as (args, state), \
@@ -169,7 +169,7 @@ def convert(step):
 
 def export_torch_dist(step):
     """The torch_dist exporter's plan and workers, in this process group (the tool starts its own)."""
-    from megatron_ucp import export_torch_dist as export
+    from megatron_ucp.convert import export_torch_dist as export
     from megatron_ucp.train import workers
 
     job = export.plan(step["input"], step["output"], step.get("iteration"), step["argv"],
@@ -188,7 +188,7 @@ def _megatron_expert_tensors(state) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from megatron_ucp.model_map import unwrap
+    from megatron_ucp.mcore.model_map import unwrap
 
     out = {}
     for chunk in state.model:
@@ -245,7 +245,7 @@ def names(step):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from megatron_ucp.model_map import unwrap
+    from megatron_ucp.mcore.model_map import unwrap
 
     with loop.session(step["argv"]) as (args, state):
         mine = {t.name for t in local_tensors(state.model, None, args.vocab_size) if t.writes}

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from harness import REPO, assert_config_error_names
-from megatron_ucp.train.args import build_parser, pad_vocab_size, validate
+from megatron_ucp.mcore.flags import build_parser, pad_vocab_size, validate
 
 
 def parse(argv, world):

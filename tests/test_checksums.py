@@ -1,5 +1,5 @@
 """Block checksums from the load's own reads: crc32 combination, who hashes which bytes, and the
-check that puts the pieces back together (megatron_ucp/checksums.py)."""
+check that puts the pieces back together (megatron_ucp/format/checksums.py)."""
 
 import os
 import random
@@ -8,7 +8,7 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp.checksums import assign_pieces, check_blocks, crc32_combine, spread
+from megatron_ucp.format.checksums import assign_pieces, check_blocks, crc32_combine, spread
 
 
 @given(st.binary(max_size=3000), st.binary(max_size=3000))
@@ -118,7 +118,7 @@ def test_the_inline_threshold_must_be_a_positive_integer(monkeypatch):
     import pytest
 
     from megatron_ucp.errors import ConfigError
-    from megatron_ucp.load import _inline_hash_bytes
+    from megatron_ucp.engine.load import _inline_hash_bytes
 
     monkeypatch.delenv("UCP_INLINE_HASH_BYTES", raising=False)
     assert _inline_hash_bytes() == 256 * 2**10

@@ -1,4 +1,4 @@
-"""CPU mode is opt-in: without --cpu nothing of megatron_ucp.cpu_mode is imported or patched."""
+"""CPU mode is opt-in: without --cpu nothing of megatron_ucp.mcore.cpu_mode is imported or patched."""
 
 import subprocess
 import sys
@@ -18,7 +18,7 @@ PROBE = textwrap.dedent("""
     import megatron.core.tensor_parallel.random as random
     patched = (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.Tensor.type)
     print("OUTCOME", outcome)
-    print("IMPORTED", "megatron_ucp.cpu_mode" in sys.modules)
+    print("IMPORTED", "megatron_ucp.mcore.cpu_mode" in sys.modules)
     print("PATCHED", any(a is not b for a, b in zip(original, patched)))
     print("TRACKER", random.CudaRNGStatesTracker.__module__)
 """)
@@ -47,4 +47,4 @@ def test_cpu_flag_enables_it():
     assert out["OUTCOME"] == "trained"
     assert out["IMPORTED"] == "True"
     assert out["PATCHED"] == "True"
-    assert out["TRACKER"] == "megatron_ucp.cpu_mode"
+    assert out["TRACKER"] == "megatron_ucp.mcore.cpu_mode"

@@ -6,8 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.train.data import (
-    MockGPTDataset, build_dataset, microbatch_sample_indices, microbatches)
+from megatron_ucp.train.data import MockGPTDataset, build_dataset, microbatch_sample_indices, microbatches
 
 
 class IndexDataset:

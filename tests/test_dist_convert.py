@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp.dist_convert import DcpReader, _stage_members
+from megatron_ucp.convert.torch_dist import DcpReader, _stage_members
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 
 pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)
@@ -85,7 +85,7 @@ def test_every_parameter_lives_on_exactly_one_pipeline_chunk(pp, vpp, per_chunk)
 def test_optimizer_domains_number_every_model_parallel_rank_once(tp, pp, ep, etp, dp, experts):
     from types import SimpleNamespace
 
-    from megatron_ucp.dist_convert import _domains
+    from megatron_ucp.convert.torch_dist import _domains
     from megatron_ucp.errors import LayoutError
 
     world = tp * pp * dp * (ep if experts else 1) * (etp if experts else 1)
@@ -115,7 +115,7 @@ def test_common_state_from_common_pt_or_from_inside_the_dcp_files(dcp_dir, tmp_p
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from megatron_ucp.dist_convert import COMMON_STATE, read_common
+    from megatron_ucp.convert.torch_dist import COMMON_STATE, read_common
 
     def save_object(directory, obj):  # as megatron's sharded object: one torch.save'd list
         dcp.save({"w": torch.zeros(2), COMMON_STATE: obj}, checkpoint_id=str(directory), no_dist=True,

@@ -1,4 +1,4 @@
-"""The elastic layout policy (megatron_ucp/elastic.py), held to args.validate over many worlds and models."""
+"""The elastic layout policy (megatron_ucp/mcore/elastic.py), held to args.validate over many worlds and models."""
 
 import copy
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp import elastic
+from megatron_ucp.mcore import elastic
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.train.args import build_parser, validate
+from megatron_ucp.mcore.flags import build_parser, validate
 
 
 @st.composite
@@ -172,8 +172,8 @@ def test_no_layout_fits_names_the_world_size():
 def test_latest_checkpoint_found_or_none(tmp_path):
     """What --elastic resumes: nothing yet (start fresh), a universal checkpoint, or a clear error."""
     from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-    from megatron_ucp.durability import atomic_write_json
-    from megatron_ucp.folder import write_tracker
+    from megatron_ucp.format.durability import atomic_write_json
+    from megatron_ucp.format.folder import write_tracker
     from megatron_ucp.train.checkpointing import latest_checkpoint
 
     args = parsed(["--mock-data", "--load", str(tmp_path / "ckpt")])

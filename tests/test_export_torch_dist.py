@@ -1,4 +1,4 @@
-"""Universal -> megatron-core torch_dist export (megatron_ucp/export_torch_dist.py): a checkpoint
+"""Universal -> megatron-core torch_dist export (megatron_ucp/convert/export_torch_dist.py): a checkpoint
 saved on TP2xPP2 with the distributed optimizer, exported to DP4 and TP4 in both optimizer
 shardings, continues under megatron's own loader (`--ckpt-format torch_dist --load OUT`) with
 the losses of the uninterrupted run. The exports of the matrix run in the test's process group
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from harness import BASE, REPO, losses, max_loss_delta, ok, run_steps, train_step
-from megatron_ucp.dist_convert import read_common
+from megatron_ucp.convert.torch_dist import read_common
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
-from megatron_ucp.export_torch_dist import plan
+from megatron_ucp.convert.export_torch_dist import plan
 
 N, K = 10, 5  # train to N saving at K; the exports resume K
 TOL = 1e-4
@@ -130,8 +130,8 @@ def test_bad_input_folders(w4, work):
 def test_carried_arguments_are_the_models_not_the_layout(flags):
     """The checkpoint's model and training flags come back as they were (store_false ones too);
     its layout and folders do not."""
-    from megatron_ucp.export_torch_dist import carried_argv
-    from megatron_ucp.train.args import build_parser, parse_args
+    from megatron_ucp.convert.export_torch_dist import carried_argv
+    from megatron_ucp.mcore.flags import build_parser, parse_args
 
     stored = vars(parse_args(["--cpu", "--mock-data", "--tensor-model-parallel-size", "2", "--save", "x",
                               "--save-interval", "5", "--use-distributed-optimizer", *flags], 2))

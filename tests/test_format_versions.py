@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from harness import REPO, losses, max_loss_delta, run_steps, train_step
-from megatron_ucp.format_v1 import upgrade_tensors, v2_names
+from megatron_ucp.format.format_v1 import upgrade_tensors, v2_names
 
 FIXTURE = REPO / "tests" / "fixtures" / "v1_moe"
 RUN = json.loads((REPO / "tests" / "fixtures" / "v1_moe.json").read_text())

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ucp.fused_adam_standin import FusedAdamStandIn
-from megatron_ucp.optimizer_state import keeps_step_per_param, read_step, write_step
+from megatron_ucp.mcore.fused_adam_standin import FusedAdamStandIn
+from megatron_ucp.mcore.optimizer_state import keeps_step_per_param, read_step, write_step
 
 
 def _pair(**kw):
@@ -123,7 +123,7 @@ def test_the_step_count_in_either_convention(make):
 def test_saved_state_dicts_give_their_step_in_either_convention(make):
     """What the converters read from megatron's formats: torch's per-parameter steps, or
     FusedAdam's group steps (an empty group has none; stripped `params` still count)."""
-    from megatron_ucp.optimizer_state import saved_steps
+    from megatron_ucp.mcore.optimizer_state import saved_steps
 
     p = torch.nn.Parameter(torch.randn(4))
     inner = make([{"params": [p]}, {"params": []}])

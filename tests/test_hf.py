@@ -19,9 +19,9 @@ import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from harness import REPO, ok, run_steps  # noqa: E402
-from megatron_ucp import hf_map  # noqa: E402
+from megatron_ucp.convert import hf_map  # noqa: E402
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError  # noqa: E402
-from megatron_ucp.hf_convert import export, import_  # noqa: E402
+from megatron_ucp.convert.hf import export, import_  # noqa: E402
 
 TOL = 1e-4
 SEQ = 16
@@ -211,7 +211,7 @@ def test_import_logits_more(imported, group, kind, step):
 def test_import_manifest(imported):
     """Weights only, iteration 0, no RNG; the architecture is the one the stored flags build (the
     loads above check it against megatron's model)."""
-    from megatron_ucp.manifest import read_manifest
+    from megatron_ucp.format.manifest import read_manifest
 
     m = read_manifest(str(imported["llama"][1] / "iter_0000000"))
     assert (m["iteration"], m["consumed_samples"], m["optimizer"], m["scheduler"]) == (0, 0, None, None)
@@ -223,7 +223,7 @@ def test_finetune(work, group):
     """--finetune trains from the weights: iterations count from 1, the loss falls, a save is at
     iteration 5 with 5 global batches consumed; from trained checkpoints too (universal, torch_dist),
     whose first loss is the trained model's, not a fresh one's."""
-    from megatron_ucp.manifest import read_manifest
+    from megatron_ucp.format.manifest import read_manifest
 
     for name, iters in (("f_llama_tp2", 5), ("f_qwen2_pp2", 5), ("f_trained", 3), ("f_dist", 3)):
         losses = {int(k): v for k, v in ok(group, name)["losses"].items()}

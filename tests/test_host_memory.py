@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_ucp import host_memory
-from megatron_ucp.host_memory import HUGE_PAGE, huge_range
+from megatron_ucp.format import host_memory
+from megatron_ucp.format.host_memory import HUGE_PAGE, huge_range
 
 
 @given(st.integers(0, 2**40), st.integers(0, 2**32), st.sampled_from([4096, HUGE_PAGE]))
@@ -77,7 +77,7 @@ def _item(name, numel):
 def test_async_snapshot_copies_any_dtype_into_reused_fp32_staging():
     """The async stall's copy: one pass from the source (bf16 here) into fp32 staging buffers,
     which the next save reuses; a sync save gets views of fp32 sources, no copy."""
-    from megatron_ucp.save import _snapshot
+    from megatron_ucp.engine.save import _snapshot
 
     weight = torch.randn(3_000_000, dtype=torch.bfloat16)
     moment = torch.randn(1_000_000)

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from harness import BASE, REPO, free_port, ok, run_steps
-from megatron_ucp import folder, inspection, rng, safe_files, safe_pickle, tensor_file
-from megatron_ucp import manifest as mf
+from megatron_ucp.convert import safe_pickle
+from megatron_ucp.format import folder, inspection, safe_files, tensor_file
+from megatron_ucp.mcore import rng
+from megatron_ucp.format import manifest as mf
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, UCPError
 from megatron_ucp.train import checkpointing
 
@@ -145,7 +147,7 @@ def _with_common_pt(iter_dir: Path) -> None:
     """megatron-core 0.19 keeps the common state inside the DCP files and writes no common.pt;
     readers still prefer a common.pt found in the folder, so a planted one is as hostile: plant
     the folder's own common state as common.pt, to damage it."""
-    from megatron_ucp.dist_convert import read_common
+    from megatron_ucp.convert.torch_dist import read_common
 
     if not (iter_dir / "common.pt").exists():
         torch.save(read_common(str(iter_dir)), iter_dir / "common.pt")
@@ -173,7 +175,7 @@ def test_metadata_classes_allowed_are_those_a_fresh_save_uses(saved):
 
 
 def test_metadata_payload_is_refused_by_the_converters_reader(copy_of, tmp_path):
-    from megatron_ucp.dist_convert import DcpReader
+    from megatron_ucp.convert.torch_dist import DcpReader
 
     d, marker = copy_of("torch_dist"), tmp_path / "MARKER"
     path = _poison_metadata(d, marker)
@@ -183,7 +185,7 @@ def test_metadata_payload_is_refused_by_the_converters_reader(copy_of, tmp_path)
 
 
 def test_distcp_object_payload_is_refused(copy_of, tmp_path):
-    from megatron_ucp.dist_convert import DcpReader
+    from megatron_ucp.convert.torch_dist import DcpReader
 
     d, marker = copy_of("torch_dist"), tmp_path / "MARKER"
     fqn = _poison_object(d, marker)
@@ -205,7 +207,7 @@ def test_torch_save_payload_is_refused(copy_of, tmp_path, name):
 
 
 def test_legacy_converter_refuses_payload(copy_of, tmp_path):
-    from megatron_ucp import legacy_convert
+    from megatron_ucp.convert import legacy as legacy_convert
 
     d, marker = copy_of("torch"), tmp_path / "MARKER"
     path = d / IT / "mp_rank_00" / "model_optim_rng.pt"
@@ -341,7 +343,7 @@ def test_universal_file_that_is_not_a_regular_small_file(copy_of, case, rel, mak
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "common.pt", "metadata.json"])
 @pytest.mark.parametrize("kind", sorted(NOT_FILES))
 def test_torch_dist_file_that_is_not_a_regular_file(copy_of, name, kind):
-    from megatron_ucp.dist_convert import DcpReader, plan_conversion
+    from megatron_ucp.convert.torch_dist import DcpReader, plan_conversion
     from megatron_ucp.train.native import check_folder
 
     d = copy_of("torch_dist")
@@ -369,7 +371,7 @@ def _read_any(reader, fqn):
 
 
 def test_torch_dist_data_file_outside_the_checkpoint_is_refused(copy_of):
-    from megatron_ucp.dist_convert import DcpReader
+    from megatron_ucp.convert.torch_dist import DcpReader
 
     d = copy_of("torch_dist")
     meta = _plain_metadata(d)
@@ -389,7 +391,7 @@ def test_torch_dist_data_file_outside_the_checkpoint_is_refused(copy_of):
 
 
 def test_torch_dist_object_longer_than_its_file_is_refused(copy_of):
-    from megatron_ucp.dist_convert import DcpReader
+    from megatron_ucp.convert.torch_dist import DcpReader
 
     d = copy_of("torch_dist")
     meta = _plain_metadata(d)
@@ -404,7 +406,7 @@ def test_torch_dist_object_longer_than_its_file_is_refused(copy_of):
 @pytest.mark.parametrize("name", ["model_optim_rng.pt", "distrib_optim.pt"])
 @pytest.mark.parametrize("kind", sorted(NOT_FILES))
 def test_legacy_file_that_is_not_a_regular_file(copy_of, name, kind):
-    from megatron_ucp import legacy_convert
+    from megatron_ucp.convert import legacy as legacy_convert
 
     d = copy_of("torch")
     make, says = NOT_FILES[kind]

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from harness import BASE, REPO, ok, run_steps
-from megatron_ucp import folder
-from megatron_ucp import manifest as mf
-from megatron_ucp import ownership
+from megatron_ucp.format import folder
+from megatron_ucp.format import manifest as mf
+from megatron_ucp.engine import ownership
 from megatron_ucp.errors import FormatError, LayoutError, SaveError
 from test_inspect import ARCHITECTURE, RNG_STATE, _make_checkpoint
 
@@ -235,7 +235,7 @@ def test_inspect_verify_lists_bad_rng_content(synthetic):
 
 
 def test_full_disk_on_the_manifest_names_it(tmp_path, monkeypatch):
-    from megatron_ucp import folder
+    from megatron_ucp.format import folder
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device")

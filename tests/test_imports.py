@@ -1,7 +1,7 @@
 """The package's import layers (issue 26, docs/design.md "Layers"): no import cycle among
 megatron_ucp's modules; nothing outside `megatron_ucp/train/` imports the training
-application, except the few upward imports listed in ALLOWED_UPWARD below, each with its
-reason; and every module sits in one of LAYERS and imports only its own layer or lower ones.
+application; and every module sits in one of LAYERS (the package's folders) and imports only
+its own layer or lower ones.
 
 Imports are read with `ast` from the source, function-local ones included (a lazy import is
 still a dependency: it only hides it from `import` time). Nothing is imported to do this.
@@ -16,37 +16,16 @@ PACKAGE = "megatron_ucp"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 TRAIN = f"{PACKAGE}.train"
 
-# The layers, bottom up (docs/design.md). A module imports its own layer or lower ones; a new
-# module must be placed here (the test names it otherwise).
+# The layers, bottom up (docs/design.md): the package's folders. A module imports its own layer
+# or lower ones; a new module must sit in one of them (the test names it otherwise).
 LAYERS = [
     ("base", {"errors", "settings"}),
-    ("layout math", {"layout", "plan", "read_plan", "model_shapes"}),
-    ("on-disk format", {"safe_files", "durability", "checksums", "tensor_file", "tensor_io", "format_v1",
-                        "manifest", "folder", "inspection", "safe_pickle"}),
-    ("engine and megatron glue", {"collective", "ownership", "host_memory", "rng", "launch", "elastic",
-                                  "compat", "cpu_mode", "fused_adam_standin", "optimizer_state",
-                                  "model_map", "replicas", "save", "load", "api", ""}),  # "": megatron_ucp itself
-    ("converters", {"source_model", "stream_write", "legacy_convert", "dist_convert", "convert",
-                    "hf_map", "hf_convert", "export_torch_dist"}),
+    ("on-disk format", {"format", "format.*"}),
+    ("megatron glue", {"mcore", "mcore.*"}),
+    ("engine", {"engine", "engine.*", "api", ""}),  # "": megatron_ucp itself (the public API)
+    ("converters", {"convert", "convert.*"}),
     ("training application", {"train", "train.*"}),
 ]
-
-# Upward imports (module outside train/ -> module inside train/) that remain. This list only
-# shrinks: a new upward import fails the test; moving one of these out of the way means
-# deleting its entry (the test also fails on an entry that no longer happens).
-ALLOWED_UPWARD = {
-    # The converters rebuild the source run's model from its stored arguments with
-    # pretrain_gpt_ucp.py's own parser (build_parser/validate: the definition of the model
-    # flags) and its model builder (transformer_config/layer_spec on the meta device).
-    # source_model.py is the one place they do; it goes when the model's flags and builder
-    # move below train/ (megatron glue).
-    ("megatron_ucp.source_model", "megatron_ucp.train.args"):
-        "converters parse the stored training arguments with the training parser",
-    ("megatron_ucp.source_model", "megatron_ucp.train.model"):
-        "converters build the source model with the training model builder",
-    # The torch_dist export carries and refuses flags by the training parser's argument groups.
-    ("megatron_ucp.export_torch_dist", "megatron_ucp.train.args"): "flags carried/refused by parser group",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -99,14 +78,14 @@ def _in_train(name: str) -> bool:
 def layer_of(name: str):
     short = name[len(PACKAGE) + 1:] if name != PACKAGE else ""
     for i, (_, members) in enumerate(LAYERS):
-        if short in members or (_in_train(name) and "train.*" in members):
+        if short in members or f"{short.partition('.')[0]}.*" in members:
             return i
     return None
 
 
 def layer_violations(graph) -> set:
     return {(src, dst) for src, dsts in graph.items() for dst in dsts
-            if layer_of(dst) > layer_of(src)} - set(ALLOWED_UPWARD)
+            if layer_of(dst) > layer_of(src)}
 
 
 def upward_imports(graph) -> set:
@@ -147,7 +126,7 @@ def cycles(graph) -> list:
 
 def test_the_walker_sees_the_package():
     graph = import_graph()
-    assert f"{PACKAGE}.save" in graph and f"{TRAIN}.loop" in graph
+    assert f"{PACKAGE}.engine.save" in graph and f"{TRAIN}.loop" in graph
     # a function-local import is seen (train.checkpointing imports api inside load())
     assert f"{PACKAGE}.api" in graph[f"{TRAIN}.checkpointing"]
 
@@ -158,11 +137,10 @@ def test_no_import_cycle():
         " <-> ".join(c) for c in found)
 
 
-def test_no_new_upward_import_of_train():
-    found = upward_imports(import_graph())
-    new = sorted(found - set(ALLOWED_UPWARD))
-    assert not new, ("modules outside megatron_ucp/train/ import the training application "
-                     "(move what they need below train/):\n" + "\n".join(f"{s} -> {d}" for s, d in new))
+def test_nothing_below_imports_the_training_application():
+    found = sorted(upward_imports(import_graph()))
+    assert not found, ("modules outside megatron_ucp/train/ import the training application "
+                       "(move what they need below train/):\n" + "\n".join(f"{s} -> {d}" for s, d in found))
 
 
 def test_every_module_has_a_layer():
@@ -179,18 +157,13 @@ def test_imports_go_down_the_layers():
         f"{s} ({LAYERS[layer_of(s)][0]}) -> {d} ({LAYERS[layer_of(d)][0]})" for s, d in found)
 
 
-def test_allow_list_only_shrinks():
-    gone = sorted(set(ALLOWED_UPWARD) - upward_imports(import_graph()))
-    assert not gone, "these upward imports are gone; delete their ALLOWED_UPWARD entries:\n" + "\n".join(
-        f"{s} -> {d}" for s, d in gone)
-
-
 @pytest.mark.parametrize("edge, caught", [
-    (("megatron_ucp.layout", "megatron_ucp.plan"), {"cycle"}),  # plan imports layout
-    (("megatron_ucp.tensor_io", "megatron_ucp.train.loop"), {"cycle", "train", "layers"}),
-    (("megatron_ucp.folder", "megatron_ucp.save"), {"cycle", "layers"}),  # save imports folder
-    (("megatron_ucp.stream_write", "megatron_ucp.train.args"), {"train", "layers"}),
-    (("megatron_ucp.legacy_convert", "megatron_ucp.convert"), {"cycle"}),  # as before issue 26
+    (("megatron_ucp.format.layout", "megatron_ucp.engine.plan"), {"cycle", "layers"}),  # plan imports layout
+    (("megatron_ucp.format.tensor_io", "megatron_ucp.train.loop"), {"cycle", "train", "layers"}),
+    (("megatron_ucp.format.folder", "megatron_ucp.engine.save"), {"cycle", "layers"}),  # save imports folder
+    (("megatron_ucp.mcore.model_map", "megatron_ucp.engine.save"), {"cycle", "layers"}),
+    (("megatron_ucp.mcore.model_map", "megatron_ucp.train.data"), {"train", "layers"}),
+    (("megatron_ucp.convert.legacy", "megatron_ucp.convert.to_universal"), {"cycle"}),  # one layer
 ])
 def test_the_checks_catch_a_new_edge(edge, caught):
     """A cycle, an upward import of train/ or an import up the layers added to the graph is
@@ -201,7 +174,7 @@ def test_the_checks_catch_a_new_edge(edge, caught):
     found = set()
     if any(src in c and dst in c for c in cycles(graph)):
         found.add("cycle")
-    if edge in upward_imports(graph) - set(ALLOWED_UPWARD):
+    if edge in upward_imports(graph):
         found.add("train")
     if edge in layer_violations(graph):
         found.add("layers")

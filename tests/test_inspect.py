@@ -1,4 +1,4 @@
-"""Tests for megatron_ucp.inspection and tools/inspect_checkpoint.py on a synthetic universal
+"""Tests for megatron_ucp.format.inspection and tools/inspect_checkpoint.py on a synthetic universal
 checkpoint written with storage primitives only (no torch, no megatron, no processes group)."""
 
 import importlib.util
@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ucp import manifest as mf
-from megatron_ucp import checksums, durability, tensor_file, tensor_io
+from megatron_ucp.format import manifest as mf
+from megatron_ucp.format import checksums, durability, tensor_file, tensor_io
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-from megatron_ucp.inspection import describe, format_table, verify
+from megatron_ucp.format.inspection import describe, format_table, verify
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "tools" / "inspect_checkpoint.py"
@@ -254,7 +254,7 @@ def test_not_a_checkpoint(tmp_path, cli):
 
 
 def test_no_torch_import():
-    code = ("import sys, megatron_ucp.inspection; "
+    code = ("import sys, megatron_ucp.format.inspection; "
             "bad = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(REPO)})

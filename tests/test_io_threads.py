@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron_ucp import tensor_io
+from megatron_ucp.format import tensor_io
 
 
 def test_in_parallel_keeps_order_and_raises_the_error():

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from harness import BASE, losses, ok, run_steps
-from megatron_ucp.inspection import verify
+from megatron_ucp.format.inspection import verify
 
 ARGS = BASE + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
 POINTS = ["create_tensor_file", "write_runs", "block_checksums", "fsync_file", "atomic_write_json",

@@ -1,4 +1,4 @@
-"""Property tests for megatron_ucp.layout: tiling of atomic tensors by TP pieces, split/merge
+"""Property tests for megatron_ucp.format.layout: tiling of atomic tensors by TP pieces, split/merge
 identity against an independent reference split, region runs against brute-force index math,
 distributed-optimizer fragments, pipeline layer offsets, and layout errors."""
 
@@ -10,22 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import LayoutError
-from megatron_ucp.layout import (
-    MAIN,
-    PADDING,
-    Piece,
-    Region,
-    Rule,
-    atomic_shape_from_local,
-    fragment_regions,
-    layer_offset,
-    local_shape,
-    merge_runs,
-    padding_shape,
-    pieces,
-    region_runs,
-    split_local,
-)
+from megatron_ucp.format.layout import MAIN, PADDING, Piece, Region, Rule, atomic_shape_from_local, fragment_regions, layer_offset, local_shape, merge_runs, padding_shape, pieces, region_runs, split_local
 
 SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

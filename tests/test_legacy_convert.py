@@ -1,4 +1,4 @@
-"""Pure rules of the legacy-checkpoint converter (megatron_ucp/legacy_convert.py), in-process.
+"""Pure rules of the legacy-checkpoint converter (megatron_ucp/convert/legacy.py), in-process.
 
 The end-to-end checks (bitwise equality with a direct universal save, resume on other layouts,
 errors for missing information) run on real checkpoints in tests/test_resume_matrix.py.
@@ -7,14 +7,8 @@ errors for missing information) run on real checkpoints in tests/test_resume_mat
 import pytest
 
 from megatron_ucp.errors import LayoutError
-from megatron_ucp.layout import Rule
-from megatron_ucp.legacy_convert import (
-    buffer_offsets,
-    global_name,
-    global_rank,
-    model_geometry,
-    parse_rank_dir,
-)
+from megatron_ucp.format.layout import Rule
+from megatron_ucp.convert.legacy import buffer_offsets, global_name, global_rank, model_geometry, parse_rank_dir
 
 
 def test_buffer_offsets_reverse_order_and_64_element_starts():
@@ -44,7 +38,7 @@ def test_rules_from_megatrons_description_and_saved_shapes():
     """The legacy converter names and splits tensors by megatron's description of the model
     (a meta-device model from the stored arguments) and the saved TP-local shapes: the rules
     that come out are megatron's tensor-parallel ones, the names megatron's keys."""
-    from megatron_ucp.layout import infer_rule, local_shape
+    from megatron_ucp.format.layout import infer_rule, local_shape
 
     a = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "seq_length": 8,
          "max_position_embeddings": 8, "vocab_size": 50, "swiglu": True, "cpu": True, "mock_data": True,

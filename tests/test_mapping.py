@@ -1,4 +1,4 @@
-"""The mapping from megatron-core's sharded_state_dict (megatron_ucp/model_map.py).
+"""The mapping from megatron-core's sharded_state_dict (megatron_ucp/mcore/model_map.py).
 
 Pure part: the boxes megatron describes give the same pieces as the layout rules (the oracle),
 and the rule a converter infers from saved shapes is the rule that cut them.
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import BASE, ok, run_steps
-from megatron_ucp.layout import Rule, box_pieces, boxes_of, infer_rule, local_shape, pieces
+from megatron_ucp.format.layout import Rule, box_pieces, boxes_of, infer_rule, local_shape, pieces
 from test_layout import SETTINGS, layouts
 
 pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)

@@ -13,7 +13,7 @@ import torch
 
 from harness import BASE, losses, ok, run_steps
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.train.args import build_parser, validate
+from megatron_ucp.mcore.flags import build_parser, validate
 from megatron_ucp.train.data import build_gpt_datasets, microbatches, split_sizes
 
 VOCAB = 250  # --vocab-size: tokens 0..249, EOD 250, the model's vocabulary 251
@@ -275,7 +275,7 @@ def test_reset_attention_mask_reaches_attention_on_any_layout(corpus, tmp_path):
 
 def test_stored_arguments_rebuild_the_same_vocabulary(corpus):
     """Converters rebuild a run from its stored arguments: the EOD is added once, not twice."""
-    from megatron_ucp.source_model import argv_from_args
+    from megatron_ucp.convert.source_model import argv_from_args
 
     args = data_args(corpus)
     again = validate(build_parser().parse_args(argv_from_args(vars(args))), 1)

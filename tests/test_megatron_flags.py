@@ -25,11 +25,11 @@ import pytest
 
 from harness import BASE, REPO, free_port, losses, ok, run_steps
 
-from megatron_ucp import ownership
+from megatron_ucp.engine import ownership
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.inspection import verify
+from megatron_ucp.format.inspection import verify
 from megatron_ucp.train import progress
-from megatron_ucp.train.args import parse_args
+from megatron_ucp.mcore.flags import parse_args
 from megatron_ucp.train.checkpointing import CHECKPOINT_ARGS, use_checkpoint_args
 
 TP2 = ["--tensor-model-parallel-size", "2"]

@@ -5,7 +5,7 @@ fragments on every rank, so the simulation cannot drift from the real mapping.""
 import pytest
 
 from harness import BASE, ok, run_steps
-from megatron_ucp.model_shapes import ModelShape, Parallel, rank_tensors
+from megatron_ucp.mcore.model_shapes import ModelShape, Parallel, rank_tensors
 
 LLAMA = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--group-query-attention",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope"]

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from harness import assert_config_error_names, losses, run_steps, train_step
-from megatron_ucp.compat import core_version
-from megatron_ucp.elastic import Batch, Layout, ModelDims, choose_layout, pipeline_split_problem
+from megatron_ucp.mcore.compat import core_version
+from megatron_ucp.mcore.elastic import Batch, Layout, ModelDims, choose_layout, pipeline_split_problem
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.train.args import build_parser, validate
+from megatron_ucp.mcore.flags import build_parser, validate
 
 ITERS = 4
 # fp32 layouts of one model agree to 5e-7 here; megatron-core's partial MLA rotary-key grad
@@ -221,7 +221,7 @@ def test_cpu_attention_equals_megatrons_with_equal_head_sizes(monkeypatch, group
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ucp.cpu_mode import CpuCoreAttention
+    from megatron_ucp.mcore.cpu_mode import CpuCoreAttention
 
     monkeypatch.setattr(parallel_state, "get_global_memory_buffer", lambda: _PlainBuffer)
     config = _attention_config(groups=groups)
@@ -250,7 +250,7 @@ def test_cpu_attention_equals_megatrons_with_equal_head_sizes(monkeypatch, group
 def test_cpu_attention_with_value_heads_of_another_size():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ucp.cpu_mode import CpuCoreAttention
+    from megatron_ucp.mcore.cpu_mode import CpuCoreAttention
 
     config = _attention_config(dropout=0.5)
     attention = CpuCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
@@ -340,7 +340,7 @@ def test_split_rule_is_megatron_cores():
 def test_variant_flags_reach_the_transformer_config():
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron_ucp.train.model import transformer_config
+    from megatron_ucp.mcore.model import transformer_config
 
     args = parse(MLA + Q_LORA + MTP + ["--pipeline-model-parallel-size", "3", "--num-layers", "6",
                                        "--decoder-first-pipeline-num-layers", "1",
@@ -359,7 +359,7 @@ def test_variant_flags_reach_the_transformer_config():
 def test_stored_arguments_rebuild_the_variant():
     """Converters rebuild a model from its stored arguments; --use-checkpoint-args takes the
     architecture from them."""
-    from megatron_ucp.source_model import argv_from_args
+    from megatron_ucp.convert.source_model import argv_from_args
     from megatron_ucp.train.checkpointing import use_checkpoint_args
 
     stored = vars(parse(DEEPSEEK + UNEVEN, 4))
@@ -388,9 +388,9 @@ def test_elastic_keeps_an_uneven_split_where_it_fits():
 def test_mla_query_norm_without_compression_is_refused_where_megatron_cannot_build_it():
     """megatron-core 0.19 norms MLA's uncompressed query in a fused transformer-engine projection;
     without TE that model cannot be built, and the flags are named instead of a mock's error."""
-    from megatron_ucp.compat import core_version
-    from megatron_ucp.train import model
-    from megatron_ucp.train.args import build_parser, validate
+    from megatron_ucp.mcore.compat import core_version
+    from megatron_ucp.mcore import model
+    from megatron_ucp.mcore.flags import build_parser, validate
 
     argv = ["--cpu", "--mock-data", "--num-layers", "2"] + MLA
     args = validate(build_parser().parse_args(argv), 2)

@@ -20,7 +20,7 @@ from harness import (
     run_steps,
     train_step,
 )
-from megatron_ucp.compat import core_version
+from megatron_ucp.mcore.compat import core_version
 
 N, K = 10, 5
 TOL = 1e-3
@@ -177,8 +177,8 @@ def test_fragment_cutting_a_legacy_grouped_tensor_is_refused():
     import torch
 
     from megatron_ucp.errors import LayoutError
-    from megatron_ucp.model_map import legacy_grouped_tensors
-    from megatron_ucp.optimizer_state import Fragment
+    from megatron_ucp.mcore.model_map import legacy_grouped_tensors
+    from megatron_ucp.mcore.optimizer_state import Fragment
 
     weight = torch.nn.Parameter(torch.zeros(8, 2 * 16))
     half = Fragment(0, weight.numel() // 2, torch.zeros(128), torch.zeros(128), torch.zeros(128),

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.train.args import build_parser, moe_layer_freq, validate
+from megatron_ucp.mcore.flags import build_parser, moe_layer_freq, validate
 
 
 def test_moe_layer_freq_forms():
@@ -42,7 +42,7 @@ def test_grouped_gemm_without_kernels_is_refused_at_build():
     """Without transformer-engine and (before megatron-core 0.19) the grouped_gemm package there
     is no grouped-experts layout on CPU: 0.19 would build sequential experts silently, so the
     flag is refused by name instead."""
-    from megatron_ucp.train import model
+    from megatron_ucp.mcore import model
 
     if model._have_te() or model._have_legacy_grouped_gemm():
         pytest.skip("grouped-GEMM kernels are installed here")

@@ -1,7 +1,7 @@
 """The GPU optimizer's state contract, proved on CPU: FusedAdam (step in the param groups, lazy
 state), the precision-aware optimizer (bf16 moments behind get/set accessors), fp16's loss scaler.
 
-The fused-Adam runs use megatron_ucp/fused_adam_standin.py, put where megatron-core puts
+The fused-Adam runs use megatron_ucp/mcore/fused_adam_standin.py, put where megatron-core puts
 transformer-engine's FusedAdam. Its arithmetic is torch's AdamW, so its losses are compared with
 torch's, bit for bit on one layout and within TOL across layouts.
 """
@@ -178,7 +178,7 @@ def test_megatron_resumes_its_own_format_with_fused_adam(w2n):
 def test_fused_adam_checkpoints_in_megatrons_formats_convert_exactly(w2, w2n, work, run, source, direct):
     """torch_dist (distributed optimizer) and legacy torch (with and without) checkpoints of a
     fused-Adam run: the step from the param groups, the same state as the direct save."""
-    from megatron_ucp.convert import convert
+    from megatron_ucp.convert.to_universal import convert
 
     ok(w2n, run), ok(w2, "f_dp2"), ok(w2, "f_tp2")
     assert losses(w2n, run) == losses(w2, {"FA": "f_dp2", "FB": "f_tp2"}[direct])

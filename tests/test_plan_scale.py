@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp import plan as pl
-from megatron_ucp.layout import MAIN, Region
-from megatron_ucp.plan import WriteItem, assign_writers, coverage_errors, merge_rows, plan_in_memory
+from megatron_ucp.engine import plan as pl
+from megatron_ucp.format.layout import MAIN, Region
+from megatron_ucp.engine.plan import WriteItem, assign_writers, coverage_errors, merge_rows, plan_in_memory
 
 
 @contextmanager
@@ -173,7 +173,7 @@ def test_unexpected_names_are_found_by_their_owners(world, saved, data):
 def test_hash_plan_gives_every_file_byte_one_rank(world, data):
     """The verified load's hashing, planned by a file's owner from its readers' spans: every
     data byte hashed once, inline only by a rank that reads it, the rest after the load."""
-    from megatron_ucp.checksums import plan_hashes
+    from megatron_ucp.format.checksums import plan_hashes
 
     base, block = 8, data.draw(st.integers(1, 16))
     end = base + data.draw(st.integers(0, 60))

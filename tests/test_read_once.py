@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import assert_same_state, losses, max_loss_delta, ok, roundtrip_step, run_steps, train_step
-from megatron_ucp import manifest as mf
+from megatron_ucp.format import manifest as mf
 from megatron_ucp.errors import LayoutError
-from megatron_ucp.read_plan import Need, digest, disagreement, order, split
+from megatron_ucp.engine.read_plan import Need, digest, disagreement, order, split
 
 N, K = 6, 3
 TOL, MOE_TOL = 1e-4, 1e-3

@@ -142,7 +142,7 @@ def dist_converted(work, w4n):
     """The other torch_dist checkpoints converted by streaming in this process (no megatron
     processes): fully_reshardable, no distributed optimizer, virtual stages (dp_reshardable over
     DP2), GQA+SwiGLU+untied (dp_reshardable over DP4)."""
-    from megatron_ucp.convert import convert
+    from megatron_ucp.convert.to_universal import convert
 
     out = {}
     for step, src, workers, it in (("n_full", "NF", 1, K), ("n_nodist", "NND", 2, K), ("n_vpp", "NV", 1, K),
@@ -155,7 +155,7 @@ def dist_converted(work, w4n):
 @pytest.fixture(scope="module")
 def legacy_converted(work, w4n):
     """The legacy checkpoints converted in this process (no megatron processes), timed."""
-    from megatron_ucp.convert import convert
+    from megatron_ucp.convert.to_universal import convert
 
     out = {}
     for step, src, workers, it in (("l_tp2pp2", "L", 1, K), ("l_nodist", "LND", 2, K), ("l_vpp", "LV", 1, K),
@@ -358,7 +358,7 @@ def test_converted_moe_torch_dist_equals_a_direct_universal_save(w2, work):
     """Experts, streamed: EP2 from fully_reshardable and from dp_reshardable (the experts'
     optimizer chained after the dense one, expert data parallelism apart), expert TP2 from
     dp_reshardable; and EP2 through megatron's loader (--via-megatron)."""
-    from megatron_ucp.convert import convert
+    from megatron_ucp.convert.to_universal import convert
 
     for step, src, direct in (("m_ep2_full", "MF", "M"), ("m_ep2_native", "MN", "M"), ("m_etp2_native", "MEN", "ME")):
         ok(w2, step)
@@ -449,7 +449,7 @@ def _legacy_copy(work, name, edit_args=None, drop=None):
 
 
 def test_legacy_conversion_names_what_is_missing(w4, w4n, work):
-    from megatron_ucp.convert import convert
+    from megatron_ucp.convert.to_universal import convert
     from megatron_ucp.errors import ConfigError, IncompleteCheckpointError
 
     ok(w4n, "l_tp2pp2")
@@ -482,7 +482,7 @@ def test_torch_dist_conversion_refuses_bad_input_and_leaves_nothing_behind(w4n, 
     names the file or key, and no checkpoint, temporary folder or tracker left in the output."""
     import shutil
 
-    from megatron_ucp.convert import convert
+    from megatron_ucp.convert.to_universal import convert
     from megatron_ucp.errors import ConfigError, IncompleteCheckpointError, LayoutError
 
     src = tmp_path / "N"
@@ -504,7 +504,7 @@ def test_torch_dist_conversion_refuses_bad_input_and_leaves_nothing_behind(w4n, 
 def test_a_wrong_bucket_layout_is_caught_by_the_weights(w4n, work, monkeypatch):
     """Two same-size parameters in swapped places pass the size and boundary checks; the fp32
     weights in the buckets then differ from the model's, and the conversion stops naming one."""
-    from megatron_ucp import dist_convert, legacy_convert
+    from megatron_ucp.convert import torch_dist as dist_convert, legacy as legacy_convert
     from megatron_ucp.errors import FormatError
 
     real = legacy_convert.bucket_layout

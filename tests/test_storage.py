@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file as np_load_file
 from safetensors.numpy import save_file as np_save_file
 
-from megatron_ucp import checksums, durability, tensor_file, tensor_io
+from megatron_ucp.format import checksums, durability, tensor_file, tensor_io
 from megatron_ucp import settings as ucp_settings
-from megatron_ucp.checksums import block_checksums, verify_range
-from megatron_ucp.durability import atomic_write_bytes, atomic_write_json
+from megatron_ucp.format.checksums import block_checksums, verify_range
+from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
-from megatron_ucp.safe_files import read_json, safe_join
-from megatron_ucp.tensor_file import TensorFileLayout, read_header, safetensors_header
-from megatron_ucp.tensor_io import ReadCounter, create_tensor_file, read_runs, write_runs
+from megatron_ucp.format.safe_files import read_json, safe_join
+from megatron_ucp.format.tensor_file import TensorFileLayout, read_header, safetensors_header
+from megatron_ucp.format.tensor_io import ReadCounter, create_tensor_file, read_runs, write_runs
 
 OPT = ("param", "exp_avg", "exp_avg_sq")
 

@@ -7,7 +7,7 @@ torch format) into a universal one (CPU only).
 The checkpoint's stored training arguments describe the model and layout; flags after `--`
 override or supply them. Both formats are streamed one atomic tensor at a time in this process
 (`--workers` in parallel); `--via-megatron` loads a torch_dist checkpoint with megatron's own
-loader in CPU processes of its layout instead. See megatron_ucp/convert.py, legacy_convert.py
+loader in CPU processes of its layout instead. See megatron_ucp/convert/to_universal.py, legacy_convert.py
 and dist_convert.py.
 """
 
@@ -19,7 +19,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ucp.convert import main  # noqa: E402
+from megatron_ucp.convert.to_universal import main  # noqa: E402
 from megatron_ucp.errors import run_command  # noqa: E402
 
 if __name__ == "__main__":

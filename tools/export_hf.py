@@ -6,7 +6,7 @@ CKPT is a save folder (its tracker's iteration, or --iteration) or one iter_ fol
 config.json, generation_config.json and model.safetensors (or model-0000x-of-0000y.safetensors
 shards with model.safetensors.index.json). Llama, Qwen2 and Mixtral computations only: a model
 that no one of them computes alike is refused, naming the difference. Vocabulary padding rows
-are dropped. See megatron_ucp/hf_convert.py and hf_map.py.
+are dropped. See megatron_ucp/convert/hf.py and hf_map.py.
 """
 
 import argparse
@@ -22,7 +22,7 @@ from megatron_ucp.errors import run_command  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron_ucp.hf_convert import export
+    from megatron_ucp.convert.hf import export
 
     p = argparse.ArgumentParser(prog="export_hf", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="universal save folder or iter_ folder")

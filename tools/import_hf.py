@@ -5,7 +5,7 @@ checkpoint at iteration 0 holding the weights only (CPU only).
 
 It prints the pretrain_gpt_ucp.py model flags that build the matching megatron model; train from
 it on any layout with `--load OUT --finetune` (the manifest stores those flags, so
-`--use-checkpoint-args` works too). See megatron_ucp/hf_convert.py and hf_map.py.
+`--use-checkpoint-args` works too). See megatron_ucp/convert/hf.py and hf_map.py.
 """
 
 import argparse
@@ -21,7 +21,7 @@ from megatron_ucp.errors import ConfigError, run_command  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron_ucp.hf_convert import import_
+    from megatron_ucp.convert.hf import import_
 
     p = argparse.ArgumentParser(prog="import_hf", description=__doc__.splitlines()[0])
     p.add_argument("hf_dir", help="Hugging Face model folder (config.json and safetensors)")

@@ -20,7 +20,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ucp.errors import UCPError, report  # noqa: E402
-from megatron_ucp.inspection import describe, format_table, verify  # noqa: E402
+from megatron_ucp.format.inspection import describe, format_table, verify  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """How training saves and resumes: the --save/--load flags, in any of the three formats.
 
-The checkpoint folder itself (tracker, `iter_XXXXXXX/` folders) is megatron_ucp/folder.py."""
+The checkpoint folder itself (tracker, `iter_XXXXXXX/` folders) is megatron_ucp/format/folder.py."""
 
 import argparse
 import os
@@ -9,21 +9,21 @@ import time
 import torch.distributed as dist
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-from megatron_ucp.folder import TRACKER, iteration_dir, read_tracker, write_tracker
+from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 
 
 def claim_save_folder(args) -> None:
     """Rank 0 takes the --save folder's owner lock when the job starts, not at its first save:
     a second job is refused (on every rank) before it trains (ownership.py)."""
-    from megatron_ucp import ownership
-    from megatron_ucp.collective import run_everywhere
+    from megatron_ucp.engine import ownership
+    from megatron_ucp.engine.collective import run_everywhere
 
     run_everywhere(lambda: ownership.claim(args.save) if dist.get_rank() == 0 else None)
 
 
 def release_save_folder(args) -> None:
     """Rank 0 gives the --save folder up at a clean end of training (ownership.release)."""
-    from megatron_ucp import ownership
+    from megatron_ucp.engine import ownership
 
     dist.barrier()  # every rank is done with the folder
     if dist.get_rank() == 0:
@@ -86,7 +86,7 @@ def latest_checkpoint(args):
     if not _is_universal(directory):
         raise FormatError(f"{directory}: --elastic resumes universal checkpoints only (no ucp.json); "
                           "convert it with tools/convert_to_universal.py")
-    from megatron_ucp.manifest import read_manifest
+    from megatron_ucp.format.manifest import read_manifest
 
     return iteration, directory, read_manifest(directory)["layout"]
 
@@ -96,7 +96,7 @@ def prepare_load(args) -> None:
     Megatron-LM (the first job of a requeued chain points --load and --save at one new folder),
     or is a one-line error with --exit-on-missing-checkpoint; --use-checkpoint-args then takes
     the architecture from the checkpoint. Collective: rank 0 looks, every rank agrees."""
-    from megatron_ucp.collective import on_rank_zero
+    from megatron_ucp.engine.collective import on_rank_zero
 
     if not args.load:
         return
@@ -144,7 +144,7 @@ def _saved_args(args) -> dict:
     if not _is_universal(directory):
         raise FormatError(f"{directory}: --use-checkpoint-args reads the arguments of a universal "
                           "checkpoint (ucp.json); convert it with tools/convert_to_universal.py")
-    from megatron_ucp.manifest import MANIFEST, read_manifest
+    from megatron_ucp.format.manifest import MANIFEST, read_manifest
 
     saved = read_manifest(directory).get("args")
     if not isinstance(saved, dict) or not saved:
@@ -180,7 +180,7 @@ def keep_saved_vocab_padding(args) -> None:
     Collective: a bad checkpoint is the same error on every rank.
     """
     if args.load:
-        from megatron_ucp.collective import run_everywhere
+        from megatron_ucp.engine.collective import run_everywhere
 
         run_everywhere(_keep_saved_vocab_padding, args)
 
@@ -189,7 +189,7 @@ def _keep_saved_vocab_padding(args) -> None:
     _, directory = _load_target(args)
     if not _is_universal(directory):
         return
-    from megatron_ucp.manifest import read_manifest
+    from megatron_ucp.format.manifest import read_manifest
 
     padded = read_manifest(directory)["layout"].get("padded_vocab_size")
     tp = args.tensor_model_parallel_size
@@ -208,7 +208,7 @@ def load(args, state, reseed=None):
     --no-load-rng say) and training starts over: iteration 0, no samples consumed, as in
     Megatron-LM, where fine-tuning from pretrained weights is a new run.
     """
-    from megatron_ucp.collective import run_everywhere
+    from megatron_ucp.engine.collective import run_everywhere
 
     if args.finetune:
         args = argparse.Namespace(**{**vars(args), "no_load_optim": True, "no_load_scheduler": True,
@@ -254,7 +254,7 @@ def check_format(directory: str, wanted: str) -> None:
     format's loader (megatron's unpickles; a universal resume must not quietly become one)."""
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
-    from megatron_ucp.convert import found_format
+    from megatron_ucp.convert.to_universal import found_format
 
     found, evidence = found_format(directory)
     if found is None:

@@ -154,7 +154,7 @@ def _null_tokenizer(cls, eod: int):
     """Megatron-LM's NullTokenizer with EOD = `eod` and eod + 1 entries. megatron-core 0.16's
     NullTokenizer(n) is exactly that; 0.19's NullTokenizer(n) has n entries and EOD n - 1
     (tokenizers/text/libraries/null_tokenizer.py), so it is asked for the same explicitly."""
-    from megatron_ucp.compat import core_version
+    from megatron_ucp.mcore.compat import core_version
 
     return cls(eod + 1, eod_id=eod) if core_version() >= (0, 19) else cls(eod)
 
@@ -194,11 +194,10 @@ def build_gpt_datasets(args):
     Every rank reads its own samples (no broadcast within TP), so every rank builds: rank 0 writes
     the index cache first, the others wait at megatron's barriers, then read the cache.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from megatron_ucp.collective import run_everywhere
+    from megatron_ucp.engine.collective import run_everywhere
 
     config = gpt_dataset_config(args)
     used_splits(config, args)

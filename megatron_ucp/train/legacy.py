@@ -14,7 +14,7 @@ per data-parallel rank) and `args`. `distrib_optim.pt` is megatron-core's own
 `exp_avg`, `exp_avg_sq` gathered over data parallelism.
 
 Such a checkpoint resumes only on the layout that wrote it (same TP, PP and DP); the converter
-(`megatron_ucp/legacy_convert.py`) turns it into a universal one.
+(`megatron_ucp/convert/legacy.py`) turns it into a universal one.
 """
 
 import os
@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ucp import rng, safe_pickle
+from megatron_ucp.convert import safe_pickle
+from megatron_ucp.convert.legacy import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-from megatron_ucp.legacy_convert import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
-from megatron_ucp.model_map import unwrap
-from megatron_ucp.optimizer_state import uses_distributed_optimizer
+from megatron_ucp.mcore import rng
+from megatron_ucp.mcore.model_map import unwrap
+from megatron_ucp.mcore.optimizer_state import uses_distributed_optimizer
 
 CHECKPOINT_VERSION = 3.0
 

@@ -16,17 +16,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.num_microbatches_calculator import (
-    destroy_num_microbatches_calculator,
-    init_num_microbatches_calculator,
-)
+from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                       init_num_microbatches_calculator)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ucp import compat
+from megatron_ucp.mcore import compat
+from megatron_ucp.mcore.flags import build_parser, validate
+from megatron_ucp.mcore.model import build_train_state
 from megatron_ucp.train import checkpointing, progress
-from megatron_ucp.train.args import build_parser, validate
 from megatron_ucp.train.data import build_datasets, microbatches
-from megatron_ucp.train.model import build_train_state
 from megatron_ucp.train.monitor import Monitor
 
 
@@ -115,7 +113,7 @@ def _mtp_losses(args) -> dict:
         return {}
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from megatron_ucp.compat import core_version
+    from megatron_ucp.mcore.compat import core_version
 
     tracker = MTPLossLoggingHelper.tracker
     total = torch.zeros(args.mtp_num_layers, dtype=torch.float64)
@@ -218,7 +216,7 @@ def session(argv=None):
         # build, load) is still under way; it stops the job after its first iteration.
         stack.enter_context(progress.signal_handler(args.exit_signal_handler))
         if args.cpu:
-            from megatron_ucp import cpu_mode
+            from megatron_ucp.mcore import cpu_mode
 
             cpu_mode.enable()
         compat.apply()
@@ -230,7 +228,7 @@ def session(argv=None):
         checkpointing.keep_saved_vocab_padding(args)
         initialize(args)
         if args.fused_adam_standin:
-            from megatron_ucp import fused_adam_standin
+            from megatron_ucp.mcore import fused_adam_standin
 
             stack.enter_context(fused_adam_standin.installed())
         try:
@@ -247,10 +245,10 @@ def elastic_layout(args, world_size: int) -> None:
     """--elastic: fit the layout to this world size and resume the latest checkpoint universally.
 
     Rank 0 reads the tracker and the manifest and tells the others, so that every rank resumes
-    the same checkpoint; the layout is the pure policy of megatron_ucp.elastic.
+    the same checkpoint; the layout is the pure policy of megatron_ucp.mcore.elastic.
     """
-    from megatron_ucp import elastic
-    from megatron_ucp.collective import on_rank_zero
+    from megatron_ucp.engine.collective import on_rank_zero
+    from megatron_ucp.mcore import elastic
 
     rank = dist.get_rank()
     found = on_rank_zero(checkpointing.latest_checkpoint, args)

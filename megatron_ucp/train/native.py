@@ -10,9 +10,11 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_ucp import rng, safe_files, safe_pickle
+from megatron_ucp.convert import safe_pickle
 from megatron_ucp.errors import IncompleteCheckpointError
-from megatron_ucp.model_map import unwrap
+from megatron_ucp.format import safe_files
+from megatron_ucp.mcore import rng
+from megatron_ucp.mcore.model_map import unwrap
 
 
 def _model_key(model, i: int) -> str:

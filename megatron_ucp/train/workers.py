@@ -14,12 +14,12 @@ import sys
 import torch.distributed as dist
 
 from megatron_ucp.errors import run_command
-from megatron_ucp.folder import iteration_dir
+from megatron_ucp.format.folder import iteration_dir
 
 
 def convert(output_dir: str, argv: list) -> None:
     """In each process of the source layout: megatron's torch_dist load, then a universal save."""
-    from megatron_ucp.save import save_universal
+    from megatron_ucp.engine.save import save_universal
     from megatron_ucp.train import loop, native
 
     with loop.session(argv) as (args, state):
@@ -32,7 +32,7 @@ def convert(output_dir: str, argv: list) -> None:
 
 def export(root: str, iteration: int, output: str, argv: list) -> None:
     """In each process of the target layout: universal load, then megatron's torch_dist save."""
-    from megatron_ucp.load import load_universal
+    from megatron_ucp.engine.load import load_universal
     from megatron_ucp.train import checkpointing, loop
 
     with loop.session(argv) as (args, state):

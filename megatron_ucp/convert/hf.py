@@ -1,0 +1,259 @@
+"""Hugging Face model folders <-> universal checkpoints, one tensor at a time.
+
+The names, shapes and reorderings are hf_map.py's; this module only reads and writes files.
+Export reads each atomic tensor's `param` (checksums verified) and writes it, split into its HF
+tensors, into sharded safetensors files whose headers are planned up front, so memory holds one
+atomic tensor. Import reads the HF tensors of one atomic tensor, joins them in fp32 and writes a
+weights-only universal checkpoint at iteration 0 through stream_write.py.
+"""
+
+import json
+import math
+import os
+import shutil
+import struct
+import time
+import uuid
+
+import numpy as np
+
+from megatron_ucp.convert import hf_map
+from megatron_ucp.convert.source_model import given_args
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
+from megatron_ucp.format import durability, manifest as mf, safe_files, tensor_io
+
+HF_DTYPES = {"fp32": ("F32", 4, "float32"), "bf16": ("BF16", 2, "bfloat16")}
+MAX_CONFIG_BYTES = 2**20
+MAX_INDEX_BYTES = 64 * 2**20
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+def shard_plan(ps, itemsize: int, max_bytes: int) -> list:
+    """Pairs cut into shards of at most `max_bytes` (a pair's HF tensors stay together)."""
+    shards, current, size = [], [], 0
+    for p in ps:
+        nbytes = math.prod(p.shape) * itemsize
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def safetensors_header(entries, dtype: str, itemsize: int) -> bytes:
+    """A safetensors header for (name, shape) entries back to back, 8-byte aligned, with the
+    `format: pt` metadata transformers checks for."""
+    meta, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in entries:
+        n = math.prod(shape) * itemsize
+        meta[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _to_bytes(array: np.ndarray, dtype: str) -> bytes:
+    if dtype == "bf16":  # round to nearest even, as torch does
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(array)).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return np.ascontiguousarray(array, dtype="<f4").tobytes()
+
+
+def read_param(root: str, name: str, entry: dict, verify: bool = True) -> np.ndarray:
+    """An atomic tensor's fp32 `param` (without vocabulary padding), its checksums verified."""
+    from megatron_ucp.errors import IntegrityError
+    from megatron_ucp.format import inspection
+
+    if verify:
+        problems = inspection.verify_tensor(root, name, entry)
+        if problems:
+            raise IntegrityError("; ".join(problems))
+    else:
+        inspection.check_header(root, name, entry)
+    layout = mf.file_layout(entry)
+    out = np.empty(entry["shape"], np.float32)
+    tensor_io.read_runs(safe_files.safe_join(root, entry["file"]), layout, "param", [(0, 0, out.size)], out)
+    return out
+
+
+def _fresh_output(output: str) -> str:
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ConfigError(f"{output} exists and is not an empty folder; choose another output")
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".tmp_{os.path.basename(os.path.abspath(output))}_{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9,
+           progress: bool = True, verify: bool = True) -> dict:
+    """Write the HF model folder of a universal checkpoint; returns a summary."""
+    from tqdm import tqdm
+
+    from megatron_ucp.format import inspection
+    from megatron_ucp.format.folder import iteration_dir
+
+    if dtype not in HF_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {sorted(HF_DTYPES)}")
+    start = time.perf_counter()
+    root = iteration_dir(checkpoint, iteration) if iteration is not None else inspection.resolve(checkpoint)
+    m = mf.read_manifest(root)
+    model = hf_map.from_checkpoint(m["architecture"], m.get("args") or {}, m["tensors"])
+    hf_map.check_names(model, m["tensors"], root)
+    ps = hf_map.pairs(model)
+    for p in ps:
+        if tuple(m["tensors"][p.megatron]["shape"]) != p.shape:
+            raise FormatError(f"{root}: tensor {p.megatron!r} has shape {m['tensors'][p.megatron]['shape']}, "
+                              f"the architecture needs {list(p.shape)}")
+    st_dtype, itemsize, torch_dtype = HF_DTYPES[dtype]
+    shards = shard_plan(ps, itemsize, max_shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    tmp = _fresh_output(output)
+    total = sum(math.prod(p.shape) * itemsize for p in ps)
+    weight_map = {}
+    try:
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="exporting", disable=not progress)
+        for fname, shard in zip(names, shards):
+            entries = [(n, s) for p in shard for n, s in zip(p.hf, p.hf_shapes)]
+            with open(os.path.join(tmp, fname), "wb") as f:
+                f.write(safetensors_header(entries, st_dtype, itemsize))
+                for p in shard:
+                    tensor = read_param(root, p.megatron, m["tensors"][p.megatron], verify)
+                    for piece in p.split(tensor):
+                        f.write(_to_bytes(piece, dtype))
+                    del tensor
+                    bar.update(math.prod(p.shape) * itemsize)
+                f.flush()
+                os.fsync(f.fileno())
+            weight_map.update({n: fname for n, _ in entries})
+        bar.close()
+        config = hf_map.hf_config(model, torch_dtype)
+        durability.atomic_write_json(os.path.join(tmp, "config.json"), config)
+        durability.atomic_write_json(os.path.join(tmp, "generation_config.json"),
+                                  {"_from_model_config": True, "do_sample": False})
+        if len(shards) > 1:
+            durability.atomic_write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                                      {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if os.path.isdir(output):
+            os.rmdir(output)  # empty, checked above
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    return {"family": hf_map.ARCHITECTURES[model.family], "iteration": m["iteration"], "output": output,
+            "tensors": len(weight_map), "files": len(shards), "bytes": total, "seconds": seconds,
+            "GB/s": total / seconds / 1e9}
+
+
+# ---- import ------------------------------------------------------------------------------------
+
+def _check_regular(path: str, folder: str) -> None:
+    """A model folder is input from strangers: each file it names must be a regular file in it."""
+    os.close(safe_files.open_regular(path, "HF safetensors file", folder))
+
+
+class HFReader:
+    """The tensors of a HF model folder (one safetensors file or an index of shards), by name."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index = os.path.join(folder, "model.safetensors.index.json")
+        single = os.path.join(folder, "model.safetensors")
+        if os.path.lexists(index):
+            weight_map = safe_files.read_json(index, "HF index", MAX_INDEX_BYTES, folder).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise FormatError(f"{index}: no 'weight_map' object")
+            self.files = {k: safe_files.safe_join(folder, v) for k, v in weight_map.items()}
+        elif os.path.lexists(single):
+            from safetensors import safe_open
+
+            _check_regular(single, folder)
+            with safe_open(single, framework="pt") as f:
+                self.files = {k: single for k in f.keys()}
+        else:
+            raise IncompleteCheckpointError(f"{folder}: neither model.safetensors nor model.safetensors.index.json "
+                                            "(only safetensors folders are read)")
+        for path in set(self.files.values()):  # safe_open would block on a FIFO, read /dev/zero...
+            _check_regular(path, folder)
+        self._shapes = {}
+
+    def shape(self, name: str) -> tuple:
+        if name not in self._shapes:
+            from safetensors import safe_open
+
+            path = self.files[name]
+            with safe_open(path, framework="pt") as f:
+                for k in f.keys():
+                    if self.files.get(k) == path:
+                        self._shapes[k] = tuple(f.get_slice(k).get_shape())
+            if name not in self._shapes:
+                raise IncompleteCheckpointError(f"{path}: tensor {name!r} named by the index is missing")
+        return self._shapes[name]
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor in fp32."""
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as f:
+            return f.get_tensor(name).float().numpy()
+
+
+def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
+    """Every tensor the config implies is there with its shape, and nothing else (a tied lm_head
+    copy and rotary buffers aside): errors name the tensor."""
+    want = hf_map.hf_index(model)
+    missing = sorted(set(want) - set(reader.files))
+    if missing:
+        raise IncompleteCheckpointError(f"{reader.folder}: tensor {missing[0]!r} missing"
+                                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    ignored = {"lm_head.weight"} if model.tied else set()
+    extra = sorted(n for n in set(reader.files) - set(want) - ignored if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise FormatError(f"{reader.folder}: tensor {extra[0]!r} has no place in a "
+                          f"{hf_map.ARCHITECTURES[model.family]} of this config.json")
+    for name, shape in want.items():
+        if reader.shape(name) != tuple(shape):
+            raise FormatError(f"{reader.folder}: tensor {name!r} has shape {list(reader.shape(name))}, "
+                              f"config.json implies {list(shape)}")
+
+
+def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -> dict:
+    """Write the weights of a HF model folder as a universal checkpoint at iteration 0."""
+    from megatron_ucp.convert import writer as stream_write
+
+    start = time.perf_counter()
+    config = safe_files.read_json(os.path.join(hf_dir, "config.json"), "HF config", MAX_CONFIG_BYTES, hf_dir)
+    model = hf_map.from_hf_config(config)
+    reader = HFReader(hf_dir)
+    check_hf_tensors(model, reader)
+    ps = {p.megatron: p for p in hf_map.pairs(model)}
+    metas = {n: mf.tensor_entry(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}
+
+    def opener(name):
+        def assemble(state):
+            p = ps[name]
+            return {"": np.ascontiguousarray(p.join(*[reader.read(h) for h in p.hf]), np.float32)}
+        return assemble
+
+    argv = hf_map.megatron_args(model)
+    layout = mf.Layout(world_size=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                       virtual_pipeline_model_parallel_size=None, data_parallel_size=None,
+                       expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                       use_distributed_optimizer=False, padded_vocab_size=model.vocab_size)
+    head = mf.head(iteration=0, consumed_samples=0, architecture=hf_map.architecture(model), layout=layout,
+                   optimizer=None, scheduler=None, args=given_args(argv), rng_saved=False,
+                   source={"huggingface": os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]})
+    summary = stream_write.write_checkpoint(output, 0, metas, opener, head, {}, workers, progress, start)
+    summary["family"] = hf_map.ARCHITECTURES[model.family]
+    summary["megatron_args"] = argv
+    return summary

@@ -1,0 +1,125 @@
+"""The source model a converter builds, shared by the converters so that they need not import
+each other: the training arguments a checkpoint stores turned back into flags
+(`argv_from_args`), the arguments a command line sets (`given_args`, `legacy_overrides`), a
+validated namespace (`source_args`), and the whole model on the meta device in one process
+(`single_process_megatron`, `meta_model`).
+
+The one converter module that builds models with the training application's argument parser
+and model builder (train/args.py, train/model.py): an upward import on tests/test_imports.py's
+allow-list until those builders move below train/.
+"""
+
+import argparse
+import contextlib
+import copy
+
+from megatron_ucp.errors import ConfigError
+
+# Arguments that describe where checkpoints go, not the model or the layout.
+_NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_universal",
+                "ckpt_format", "exit_interval", "keep_last", "async_save", "cpu", "world_size",
+                "data_parallel_size", "num_microbatches", "padded_vocab_size",
+                "virtual_pipeline_model_parallel_size", "no_verify_checkpoint", "no_strict_load", "finetune",
+                "ckpt_read_policy"}
+
+
+def argv_from_args(args: dict, only=None) -> list:
+    """Command-line flags that rebuild the model and layout the arguments describe (of the
+    argument names in `only`, when given)."""
+    from megatron_ucp.mcore.flags import build_parser
+
+    argv = []
+    for action in build_parser()._actions:
+        dest = action.dest
+        if dest in _NOT_CARRIED or dest not in args or not action.option_strings:
+            continue
+        if only is not None and dest not in only:
+            continue
+        value, flag = args[dest], action.option_strings[0]
+        if action.nargs == 0:  # store_true, or store_false (--no-store-param-remainders)
+            if value == action.const:
+                argv.append(flag)
+        elif dest == "vocab_size" and args.get("eod_token") is not None:
+            argv += [flag, str(args["eod_token"])]  # the flag's value: the NullTokenizer adds EOD
+        elif isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):  # --data-path W1 P1 W2 P2
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, (list, tuple)):  # --moe-layer-freq's per-layer pattern, one word
+            argv += [flag, str(list(value))]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def given_args(argv: list) -> dict:
+    """The arguments `argv` sets, by name (defaults left out: --use-checkpoint-args takes only these)."""
+    from megatron_ucp.mcore.flags import build_parser
+
+    return _given(build_parser(), argv)
+
+
+def legacy_overrides(extra_argv) -> dict:
+    """Flags after '--' for a legacy checkpoint: only those given, by argument name."""
+    from megatron_ucp.mcore.flags import build_parser
+
+    p = build_parser()
+    p.add_argument("--consumed-train-samples", type=int)
+    p.add_argument("--data-parallel-size", type=int)
+    p.add_argument("--ddp-bucket-size", type=int)
+    return _given(p, list(extra_argv))
+
+
+def _given(parser, argv: list) -> dict:
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(argv))
+
+
+def source_args(argv: list, world: int):
+    """The namespace `argv` gives pretrain_gpt_ucp.py, validated for a world of `world` processes."""
+    from megatron_ucp.mcore.flags import build_parser, validate
+
+    source = build_parser().parse_args(argv)
+    validate(source, world)
+    return source
+
+
+@contextlib.contextmanager
+def single_process_megatron():
+    """megatron's parallel state for one process (TP = PP = EP = 1), torn down afterwards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ucp.mcore import compat, cpu_mode
+
+    if dist.is_initialized():
+        raise ConfigError("the torch_dist converter runs outside a torch.distributed job")
+    cpu_mode.enable()
+    compat.apply()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def meta_model(source, padded_vocab: int):
+    """The whole model (one stage, no parallelism) on the meta device: names, shapes, keys."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ucp.mcore import model as model_lib
+
+    a = copy.copy(source)
+    a.tensor_model_parallel_size = a.pipeline_model_parallel_size = 1
+    a.expert_model_parallel_size, a.expert_tensor_parallel_size = 1, 1
+    a.virtual_pipeline_model_parallel_size = None
+    a.sequence_parallel = False
+    config = model_lib.transformer_config(a)
+    with torch.device("meta"):
+        return GPTModel(
+            config=config, transformer_layer_spec=model_lib.layer_spec(a, config, None), vocab_size=padded_vocab,
+            max_sequence_length=a.max_position_embeddings, pre_process=True, post_process=True,
+            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+            position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base)

@@ -1,0 +1,129 @@
+"""Convert a megatron-core `torch_dist` or Megatron-LM legacy `torch` checkpoint into a universal one.
+
+Both are streamed one atomic tensor at a time in this process, with no GPU, no process group
+and no process of the source layout: legacy per-rank `torch` checkpoints (`mp_rank_*` folders)
+by megatron_ucp/convert/legacy.py, `torch_dist` ones by megatron_ucp/convert/torch_dist.py.
+
+`--via-megatron` (torch_dist only) takes the other road: it starts CPU processes in the
+checkpoint's layout, loads it with megatron's own loader and saves universally. It reads every
+optimizer sharding megatron-core writes, at the cost of holding the whole state once, spread
+over those processes; the streaming converter names this flag where it refuses a checkpoint.
+
+    python -m megatron_ucp.convert.to_universal --input SAVE_DIR --output OUT [--iteration N] [-- FLAGS...]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
+
+
+def stored_args(iteration_dir: str) -> dict:
+    """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in its common
+    state (common.pt, or inside the DCP files since megatron-core 0.19)."""
+    from megatron_ucp.convert.torch_dist import read_common
+
+    common = read_common(iteration_dir)
+    args = common.get("args") if isinstance(common, dict) else None
+    return dict(args) if isinstance(args, dict) else {}
+
+
+def found_format(directory: str):
+    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
+    from megatron_ucp.convert.legacy import is_legacy
+    from megatron_ucp.format.folder import MANIFEST
+
+    if os.path.lexists(os.path.join(directory, MANIFEST)):
+        return "universal", MANIFEST
+    if is_legacy(directory):
+        return "torch", "mp_rank_* folders"
+    names = os.listdir(directory)
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        return "torch_dist", ".metadata / *.distcp files"
+    return None, None
+
+
+def _resolve(input_dir: str, iteration):
+    from megatron_ucp.convert.legacy import is_legacy
+    from megatron_ucp.format.folder import iteration_dir, read_tracker
+
+    if any(os.path.exists(os.path.join(input_dir, f)) for f in ("common.pt", ".metadata")) \
+            or is_legacy(input_dir):  # an iter_ folder (torch_dist of megatron-core 0.16 or 0.19, legacy)
+        name = os.path.basename(os.path.normpath(input_dir))
+        return os.path.dirname(os.path.normpath(input_dir)), int(name.split("_")[-1])
+    it = iteration if iteration is not None else read_tracker(input_dir)
+    if not os.path.isdir(iteration_dir(input_dir, it)):
+        raise IncompleteCheckpointError(f"{iteration_dir(input_dir, it)}: no such checkpoint")
+    return input_dir, it
+
+
+def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
+            progress=True, via_megatron=False) -> dict:
+    """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
+    from megatron_ucp.convert.legacy import is_legacy
+    from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
+    from megatron_ucp.format.folder import iteration_dir
+
+    root, it = _resolve(input_dir, iteration)
+    if is_legacy(iteration_dir(root, it)):
+        from megatron_ucp.convert import legacy as legacy_convert
+
+        return legacy_convert.convert(iteration_dir(root, it), output_dir, legacy_overrides(extra_argv),
+                                      workers=workers, progress=progress)
+    if not via_megatron:
+        from megatron_ucp.convert import torch_dist as dist_convert
+
+        return dist_convert.convert(iteration_dir(root, it), output_dir, extra_argv, nproc, workers, progress)
+    args = stored_args(iteration_dir(root, it))
+    argv = argv_from_args(args) + list(extra_argv)
+    if not args and not extra_argv:
+        raise ConfigError(f"{iteration_dir(root, it)}: stores no training arguments; pass the model "
+                          "and layout flags after '--' (e.g. --num-layers ... --tensor-model-parallel-size ...)")
+    world = nproc or int(args.get("world_size") or 0)
+    if world < 1:
+        raise ConfigError("the checkpoint does not store its world size: pass --nproc")
+    from megatron_ucp.convert.launch import run_workers
+
+    start = time.perf_counter()
+    code = run_workers(world, "megatron_ucp.train.workers", [
+        "convert", "--output", output_dir, "--", *argv,
+        "--cpu", "--ckpt-format", "torch_dist", "--load", root, "--ckpt-step", str(it)])
+    if code != 0:
+        raise FormatError(f"conversion of {iteration_dir(root, it)} failed (exit code {code})")
+    seconds = time.perf_counter() - start
+    out = iteration_dir(output_dir, it)
+    from megatron_ucp.format.manifest import read_manifest
+
+    tensors = read_manifest(out)["tensors"]
+    nbytes = sum(e["file_size"] for e in tensors.values())
+    return {"iteration": it, "output": out, "tensors": len(tensors), "bytes": nbytes,
+            "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="convert_to_universal", description=__doc__.splitlines()[0])
+    p.add_argument("--input", required=True, help="torch_dist or legacy torch save folder (or one iter_ folder)")
+    p.add_argument("--output", required=True, help="where the universal checkpoint goes")
+    p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
+    p.add_argument("--nproc", type=int, default=None, help="default: the checkpoint's world size")
+    p.add_argument("--workers", type=int, default=1, help="convert this many atomic tensors in parallel processes")
+    p.add_argument("--via-megatron", action="store_true",
+                   help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(own)
+    if a.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress,
+                      a.via_megatron)
+    print(f"converted {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
+          f"{summary['seconds']:.1f} s ({summary['GB/s']:.3f} GB/s) into {summary['output']}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_command(main, "convert_to_universal")

@@ -1,0 +1,105 @@
+"""Read-once loads over megatron's replica groups: which group replicates a tensor, whether its
+members agree on what they need, and the exchange of what each read (read_plan.py plans it).
+
+Dense parameters are replicated over the data-parallel group (with context parallelism, data x
+context), expert parameters over the expert data-parallel group: the groups megatron's own DDP
+and distributed optimizer use for them. The members' needs are compared by digest, one small
+all-gather per group, rather than gathered. The exchange broadcasts each share from its reader
+over the group, on the group's device (the CPU for gloo, the accelerator for NCCL), straight
+into the model's tensor where it is fp32 on that device, else through a staging buffer.
+"""
+
+import socket
+from collections import deque
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_ucp.engine.read_plan import Need, Share, digest, disagreement, order, split
+
+# Bytes of staging buffers in flight at once during an exchange (where the model's tensor
+# cannot receive the broadcast itself: bf16 parameters, host tensors with an NCCL group).
+STAGING_BYTES = 256 * 2**20
+
+
+def replica_group(expert: bool):
+    """The process group over which a (dense or expert) parameter is replicated."""
+    from megatron.core import parallel_state
+
+    if expert:
+        return parallel_state.get_expert_data_parallel_group()
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def group_device(group) -> torch.device:
+    """Where a collective over `group` takes its tensors: the CPU for gloo, else the current
+    accelerator (NCCL and its kin exchange through device memory)."""
+    backend = str(dist.get_backend(group)).lower()
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if backend == "gloo" or accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def agreed_split(needs: List[Need], group, across_nodes_only: bool = False
+                 ) -> Tuple[Optional[List[Tuple[int, Share]]], List[int], Optional[str]]:
+    """Collective over `group`: (shares in agreed order as (index into `needs`, share), the
+    group's global ranks, None) when every member needs the same bytes; (None, ranks, why)
+    when they do not, and each must read its own. A group of one splits nothing, nor, with
+    `across_nodes_only`, a group whose members all run on one node (one page cache)."""
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) == 1:
+        return None, ranks, None
+    agreed = order(needs)
+    found = [None] * len(ranks)
+    dist.all_gather_object(found, (digest([needs[i] for i in agreed]), socket.gethostname()), group=group)
+    why = disagreement([d for d, _ in found], ranks)
+    if why is not None:
+        return None, ranks, why
+    if across_nodes_only and len({host for _, host in found}) == 1:
+        return None, ranks, None
+    shares = split([needs[i] for i in agreed], len(ranks))
+    return [(agreed[s.need], s) for s in shares], ranks, None
+
+
+def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver) -> int:
+    """Collective over `group`: each item (key, region, share) is broadcast from its reader.
+
+    `region` is the fp32-valued destination of the share in the model's tensor (1-D); the
+    reader has already filled it, and `staged[key]` holds the reader's fp32 host copy where
+    the region cannot take part in the collective itself (not fp32, or not on the group's
+    device). `deliver(key, data)` hands a received share to the model (called on the
+    receivers, in item order). Returns the bytes this rank received."""
+    device = group_device(group)
+    me = ranks.index(dist.get_rank())
+    pending: deque = deque()
+    in_flight = received = 0
+
+    def finish():
+        nonlocal in_flight
+        work, key, buf, staged_bytes, mine = pending.popleft()
+        work.wait()
+        in_flight -= staged_bytes
+        if not mine:
+            deliver(key, buf)
+
+    for key, region, share in items:
+        direct = region.dtype == torch.float32 and region.device == device
+        mine = share.reader == me
+        if direct:
+            buf = region
+        elif mine:
+            buf = torch.from_numpy(staged.pop(key)).to(device)
+        else:
+            buf = torch.empty(region.numel(), dtype=torch.float32, device=device)
+        work = dist.broadcast(buf, src=ranks[share.reader], group=group, async_op=True)
+        staged_bytes = 0 if direct else buf.numel() * 4
+        pending.append((work, key, buf, staged_bytes, mine))
+        in_flight += staged_bytes
+        received += 0 if mine else buf.numel() * 4
+        while in_flight > STAGING_BYTES and pending:
+            finish()
+    while pending:
+        finish()
+    return received
