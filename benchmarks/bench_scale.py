@@ -52,7 +52,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ucp.format import manifest as mf  # noqa: E402
-from megatron_ucp.engine import plan as pl  # noqa: E402
+from megatron_ucp.engine import plan as pl, planner  # noqa: E402
 from megatron_ucp.engine import read_plan  # noqa: E402
 from megatron_ucp.engine.read_plan import Need  # noqa: E402
 from megatron_ucp.mcore.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
@@ -156,7 +156,7 @@ def _simulate(shape, par, peaks):
                 seen.add((expert, key))
                 once_read += read_once_bytes(tensors, par, expert)
         offers = clock.run(rank, lambda: [i for i, _, _ in pl.offer_items(mine, len(STATES), True, lambda t: t.numel)])
-        routed[rank] = clock.run(rank, pl.route_offers, offers, entries, world)
+        routed[rank] = clock.run(rank, planner.route_offers, offers, entries, world)
         holds[rank] = (mine, entries)
         # Today's load reads each whole TP-local weight and the fragment's two moments.
         param_read[rank] = 4 * sum(t.numel for t in tensors)
@@ -164,18 +164,18 @@ def _simulate(shape, par, peaks):
     at_owner = deliver(routed, clock, meta, world, keep=True)
     del routed
     inbox = {owner: {src: pickle.loads(b) for src, b in got.items()} for owner, got in at_owner.items()}
-    replies = {owner: clock.run(owner, pl.plan_owned, received, world) for owner, received in inbox.items()}
+    replies = {owner: clock.run(owner, planner.plan_owned, received, world) for owner, received in inbox.items()}
     del inbox
     back = deliver(replies, clock, meta, world, keep=True)
     del replies
-    plans = {r: clock.run(r, pl.finish_plan, {src: pickle.loads(b) for src, b in back.get(r, {}).items()})
+    plans = {r: clock.run(r, planner.finish_plan, {src: pickle.loads(b) for src, b in back.get(r, {}).items()})
              for r in range(world)}
     errors = plans[0].errors
     if errors:
         raise SystemExit(f"plan failed: {errors[:3]}")
     entries = plans[0].entries
     sizes = {n: mf.file_layout(e).file_size for n, e in entries.items()}
-    creators = clock.run(0, pl.file_creators, entries, sizes, world)
+    creators = clock.run(0, planner.file_creators, entries, sizes, world)
     deliver({0: creators}, clock, meta, world)
     inputs = (world, holds, at_owner, back, sizes)
     slowest = [int(r) for r in np.argsort(-clock.s)[:8]]
@@ -222,12 +222,12 @@ def rank_work(rank, world, holds, at_owner, back, sizes):
     replies unpickled into its plan; on rank 0 the file assignment."""
     mine, rank_entries = holds[rank]
     offers = [i for i, _, _ in pl.offer_items(mine, len(STATES), True, lambda t: t.numel)]
-    pickle.dumps(pl.route_offers(offers, rank_entries, world), pickle.HIGHEST_PROTOCOL)
+    pickle.dumps(planner.route_offers(offers, rank_entries, world), pickle.HIGHEST_PROTOCOL)
     received = {src: pickle.loads(blob) for src, blob in at_owner.get(rank, {}).items()}
-    pickle.dumps(pl.plan_owned(received, world), pickle.HIGHEST_PROTOCOL)
-    plan = pl.finish_plan({src: pickle.loads(blob) for src, blob in back.get(rank, {}).items()})
+    pickle.dumps(planner.plan_owned(received, world), pickle.HIGHEST_PROTOCOL)
+    plan = planner.finish_plan({src: pickle.loads(blob) for src, blob in back.get(rank, {}).items()})
     if rank == 0:
-        pickle.dumps(pl.file_creators(plan.entries, sizes, world), pickle.HIGHEST_PROTOCOL)
+        pickle.dumps(planner.file_creators(plan.entries, sizes, world), pickle.HIGHEST_PROTOCOL)
 
 
 def retimed(ranks, *inputs, repeats=3):
@@ -289,7 +289,7 @@ def baseline(shape, par):
     merged = {}
     for _, e in got:
         merged.update(e)
-    part_shapes = pl.part_shapes_of(merged)
+    part_shapes = planner.part_shapes_of(merged)
     offers, sets, _ = pl.merge_rows([o for o, _ in got], part_shapes)
     plan = pl.assign_writers(offers)
     pl.row_merges(plan, sets)

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from megatron_ucp.errors import ConfigError
 from megatron_ucp.format.layout import MAIN, Region, region_runs
-from megatron_ucp.engine.plan import SHORT_ROW_BYTES, RowMerge, WriteItem, assign_writers, check_coverage, merge_rows, plan_in_memory, row_merges
+from megatron_ucp.engine.plan import (SHORT_ROW_BYTES, RowMerge, WriteItem, assign_writers, check_coverage, merge_rows,
+                                      row_merges)
+from megatron_ucp.engine.planner import plan_in_memory
 from megatron_ucp.engine.save import _block_views, _column_block, _merging_rows, _with_ends
 
 

@@ -10,19 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp.engine import plan as pl
+from megatron_ucp.engine import planner
 from megatron_ucp.format.layout import MAIN, Region
-from megatron_ucp.engine.plan import WriteItem, assign_writers, coverage_errors, merge_rows, plan_in_memory
+from megatron_ucp.engine.plan import WriteItem, assign_writers, coverage_errors, merge_rows
+from megatron_ucp.engine.planner import plan_in_memory
 
 
 @contextmanager
 def min_share(nbytes):
-    old = pl.MIN_SHARE_BYTES
-    pl.MIN_SHARE_BYTES = nbytes
+    old = planner.MIN_SHARE_BYTES
+    planner.MIN_SHARE_BYTES = nbytes
     try:
         yield
     finally:
-        pl.MIN_SHARE_BYTES = old
+        planner.MIN_SHARE_BYTES = old
 
 
 @st.composite
@@ -147,8 +148,8 @@ def test_ranks_that_disagree_on_an_entry_fail_the_plan():
 
 def test_owners_are_stable_and_spread():
     names = [f"decoder.layers.{n}.mlp.linear_fc1.weight" for n in range(4000)]
-    owners = [pl.owner_of(n, 1024) for n in names]
-    assert owners == [pl.owner_of(n, 1024) for n in names]
+    owners = [planner.owner_of(n, 1024) for n in names]
+    assert owners == [planner.owner_of(n, 1024) for n in names]
     counts = [owners.count(r) for r in range(1024)]
     assert max(counts) <= 16  # about 4 each: no rank plans a large share of the model
 
@@ -161,10 +162,10 @@ def test_unexpected_names_are_found_by_their_owners(world, saved, data):
              for r in range(world)}
     inbox = {r: [] for r in range(world)}
     for r, names in holds.items():
-        for owner, sent in pl.names_by_owner(names, world).items():
-            assert all(pl.owner_of(n, world) == owner for n in sent)
+        for owner, sent in planner.names_by_owner(names, world).items():
+            assert all(planner.owner_of(n, world) == owner for n in sent)
             inbox[owner].append(sent)
-    found = [n for r in range(world) for n in pl.unclaimed(saved, inbox[r], r, world)]
+    found = [n for r in range(world) for n in planner.unclaimed(saved, inbox[r], r, world)]
     assert sorted(found) == sorted(saved - set().union(*holds.values()))
 
 

@@ -191,10 +191,10 @@ def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
                 f"expects {list(t.atomic_shape)}")
     if strict:
         # Each rank sees only its own tensors: the union over ranks must cover the checkpoint.
-        # Each checkpoint tensor is checked by its owner (plan.owner_of), told by the ranks
+        # Each checkpoint tensor is checked by its owner (planner.owner_of), told by the ranks
         # that hold it: a rank sends and receives names of its own share, not the world's.
         from megatron_ucp.engine.collective import exchange_objects
-        from megatron_ucp.engine.plan import names_by_owner, unclaimed
+        from megatron_ucp.engine.planner import names_by_owner, unclaimed
         from megatron_ucp.engine.save import _p2p_device
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -328,10 +328,10 @@ def _hash_plan(root: str, m: dict, layouts, tensors, reads: _ReadPlan) -> _HashP
     replicated byte is read, and so hashed, by one member of its replica group)."""
     checks = run_everywhere(_check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
-    # Each file's hashing is planned by its owner (plan.owner_of), from the spans its readers
+    # Each file's hashing is planned by its owner (planner.owner_of), from the spans its readers
     # send it: a rank sends and receives what concerns its own reads and files, not the world's.
     from megatron_ucp.engine.collective import exchange_objects
-    from megatron_ucp.engine.plan import owner_of
+    from megatron_ucp.engine.planner import owner_of
     from megatron_ucp.engine.save import _p2p_device
     from megatron_ucp.format.checksums import plan_hashes
 

@@ -25,7 +25,8 @@ from megatron.core import parallel_state
 from megatron_ucp import settings
 from megatron_ucp.engine import ownership
 from megatron_ucp.engine.collective import all_true, exchange_objects, on_rank_zero, run_everywhere
-from megatron_ucp.engine.plan import offer_items, part_shapes_of, plan_save
+from megatron_ucp.engine.plan import offer_items
+from megatron_ucp.engine.planner import part_shapes_of, plan_save
 from megatron_ucp.errors import IncompleteCheckpointError, SaveError
 from megatron_ucp.format import checksums, durability, folder, host_memory, manifest as mf, tensor_io
 from megatron_ucp.format.folder import iteration_dir
@@ -103,7 +104,7 @@ _PLAN_CACHE = {}  # digest of what this rank offered -> (its plan, entries of th
 
 
 def _plan(tensors, states, with_optimizer: bool):
-    """This rank's part of the save plan (plan.plan_save: each tensor planned by its owner).
+    """This rank's part of the save plan (planner.plan_save: each tensor planned by its owner).
 
     The plan depends only on the layout, so a job saving again with the same offers on every
     rank reuses it: one integer is reduced to learn that every rank's offers are unchanged.
