@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp.convert.torch_dist import DcpReader, _stage_members
+from megatron_ucp.convert.dcp_reader import DcpReader
+from megatron_ucp.convert.torch_dist import _stage_members
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 
 pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)
@@ -115,7 +116,7 @@ def test_common_state_from_common_pt_or_from_inside_the_dcp_files(dcp_dir, tmp_p
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from megatron_ucp.convert.torch_dist import COMMON_STATE, read_common
+    from megatron_ucp.convert.dcp_reader import COMMON_STATE, read_common
 
     def save_object(directory, obj):  # as megatron's sharded object: one torch.save'd list
         dcp.save({"w": torch.zeros(2), COMMON_STATE: obj}, checkpoint_id=str(directory), no_dist=True,

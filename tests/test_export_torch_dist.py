@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness import BASE, REPO, losses, max_loss_delta, ok, run_steps, train_step
-from megatron_ucp.convert.torch_dist import read_common
+from megatron_ucp.convert.dcp_reader import read_common
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
 from megatron_ucp.convert.export_torch_dist import plan
 

@@ -147,7 +147,7 @@ def _with_common_pt(iter_dir: Path) -> None:
     """megatron-core 0.19 keeps the common state inside the DCP files and writes no common.pt;
     readers still prefer a common.pt found in the folder, so a planted one is as hostile: plant
     the folder's own common state as common.pt, to damage it."""
-    from megatron_ucp.convert.torch_dist import read_common
+    from megatron_ucp.convert.dcp_reader import read_common
 
     if not (iter_dir / "common.pt").exists():
         torch.save(read_common(str(iter_dir)), iter_dir / "common.pt")
@@ -175,7 +175,7 @@ def test_metadata_classes_allowed_are_those_a_fresh_save_uses(saved):
 
 
 def test_metadata_payload_is_refused_by_the_converters_reader(copy_of, tmp_path):
-    from megatron_ucp.convert.torch_dist import DcpReader
+    from megatron_ucp.convert.dcp_reader import DcpReader
 
     d, marker = copy_of("torch_dist"), tmp_path / "MARKER"
     path = _poison_metadata(d, marker)
@@ -185,7 +185,7 @@ def test_metadata_payload_is_refused_by_the_converters_reader(copy_of, tmp_path)
 
 
 def test_distcp_object_payload_is_refused(copy_of, tmp_path):
-    from megatron_ucp.convert.torch_dist import DcpReader
+    from megatron_ucp.convert.dcp_reader import DcpReader
 
     d, marker = copy_of("torch_dist"), tmp_path / "MARKER"
     fqn = _poison_object(d, marker)
@@ -343,7 +343,8 @@ def test_universal_file_that_is_not_a_regular_small_file(copy_of, case, rel, mak
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "common.pt", "metadata.json"])
 @pytest.mark.parametrize("kind", sorted(NOT_FILES))
 def test_torch_dist_file_that_is_not_a_regular_file(copy_of, name, kind):
-    from megatron_ucp.convert.torch_dist import DcpReader, plan_conversion
+    from megatron_ucp.convert.dcp_reader import DcpReader
+    from megatron_ucp.convert.torch_dist import plan_conversion
     from megatron_ucp.train.native import check_folder
 
     d = copy_of("torch_dist")
@@ -371,7 +372,7 @@ def _read_any(reader, fqn):
 
 
 def test_torch_dist_data_file_outside_the_checkpoint_is_refused(copy_of):
-    from megatron_ucp.convert.torch_dist import DcpReader
+    from megatron_ucp.convert.dcp_reader import DcpReader
 
     d = copy_of("torch_dist")
     meta = _plain_metadata(d)
@@ -391,7 +392,7 @@ def test_torch_dist_data_file_outside_the_checkpoint_is_refused(copy_of):
 
 
 def test_torch_dist_object_longer_than_its_file_is_refused(copy_of):
-    from megatron_ucp.convert.torch_dist import DcpReader
+    from megatron_ucp.convert.dcp_reader import DcpReader
 
     d = copy_of("torch_dist")
     meta = _plain_metadata(d)

@@ -23,7 +23,7 @@ from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointEr
 def stored_args(iteration_dir: str) -> dict:
     """The training arguments a torch_dist checkpoint of pretrain_gpt_ucp.py stores in its common
     state (common.pt, or inside the DCP files since megatron-core 0.19)."""
-    from megatron_ucp.convert.torch_dist import read_common
+    from megatron_ucp.convert.dcp_reader import read_common
 
     common = read_common(iteration_dir)
     args = common.get("args") if isinstance(common, dict) else None
