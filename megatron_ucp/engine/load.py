@@ -279,23 +279,25 @@ class _HashPlan:
 
     inline: dict  # tensor name -> sorted file byte spans this rank hashes as it reads them
     after: list  # (tensor name, lo, hi) this rank hashes by reading, after the load
-    checks: list  # tensor names whose blocks this rank checks, from everyone's hashes
+    checks: list  # tensor names whose blocks this rank checks, from the hashes sent to it
+    checker: dict  # tensor name -> the rank that checks its blocks
 
 
 def _check_files(root: str, m: dict) -> list:
     """Sizes, headers and recorded checksums of this rank's share of the tensor files (the
-    share by size, as file creation); returns that share."""
+    share by size, as file creation); returns every rank's share."""
     from megatron_ucp.engine.plan import assign_files
     from megatron_ucp.format.inspection import check_file
 
     sizes = {name: int(e.get("file_size", 0)) for name, e in m["tensors"].items()}
-    mine = assign_files(sizes, dist.get_world_size())[dist.get_rank()]
+    shares = assign_files(sizes, dist.get_world_size())
+    mine = shares[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
     found = tensor_io.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
     problems = [p for file_problems in found for p in file_problems]
     if problems:
         raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
-    return mine
+    return shares
 
 
 def _check_headers(root: str, m: dict, tensors, plan: _ReadPlan) -> None:
@@ -326,8 +328,9 @@ def _hash_plan(root: str, m: dict, layouts, tensors, reads: _ReadPlan) -> _HashP
     """Collective: files checked (sizes, headers), then every byte of every tensor file given
     one rank to hash, as it loads it where it can (the reads of `reads`: under read-once, each
     replicated byte is read, and so hashed, by one member of its replica group)."""
-    checks = run_everywhere(_check_files, root, m)
+    shares = run_everywhere(_check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
+    checker = {name: r for r, names in enumerate(shares) for name in names}
     # Each file's hashing is planned by its owner (planner.owner_of), from the spans its readers
     # send it: a rank sends and receives what concerns its own reads and files, not the world's.
     from megatron_ucp.engine.collective import exchange_objects
@@ -352,12 +355,13 @@ def _hash_plan(root: str, m: dict, layouts, tensors, reads: _ReadPlan) -> _HashP
     for owner in sorted(mine):
         inline.update(mine[owner]["inline"])
         after += mine[owner]["after"]
-    return _HashPlan(inline, after, checks)
+    return _HashPlan(inline, after, shares[rank], checker)
 
 
 def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) -> int:
-    """Collective, after the load: hash what the load did not, gather every rank's hashes, and
-    check the blocks of this rank's share of the files. Returns the bytes hashed after."""
+    """Collective, after the load: hash what the load did not, send each file's hashes to the
+    rank that checks it, and check the blocks of this rank's share of the files. Returns the
+    bytes hashed after."""
 
     def hash_rest():
         todo = list(plan.after)
@@ -374,15 +378,23 @@ def _check_hashes(root: str, m: dict, layouts, plan: _HashPlan, hashes: dict) ->
         return sum(hi - lo for _, lo, hi in todo)
 
     rehashed = run_everywhere(hash_rest)
-    everyone = [None] * dist.get_world_size()
-    # A set: bytes a rank happens to read twice are hashed twice, and must count once.
-    dist.all_gather_object(everyone, {name: sorted(set(h)) for name, h in hashes.items() if h})
+    from megatron_ucp.engine.collective import exchange_objects
+    from megatron_ucp.engine.save import _p2p_device
+
+    # Each file's hashes go to its checker only: a rank sends and receives what concerns its
+    # own reads and files, not the world's. A set: bytes a rank happens to read twice are
+    # hashed twice, and must count once.
+    routed: dict = {}
+    for name, h in hashes.items():
+        if h:
+            routed.setdefault(plan.checker[name], {})[name] = sorted(set(h))
+    received = exchange_objects(routed, device=_p2p_device())
 
     def check():
         problems = []
         for name in plan.checks:
             entry = m["tensors"][name]
-            hashed = [p for h in everyone for p in h.get(name, ())]
+            hashed = [p for h in received.values() for p in h.get(name, ())]
             problems += checksums.check_blocks(safe_files.safe_join(root, entry["file"]),
                                                len(layouts[name].header), entry["file_size"],
                                                entry["block_bytes"], entry["checksums"], hashed)
