@@ -4,7 +4,7 @@ The names, shapes and reorderings are hf_map.py's; this module only reads and wr
 Export reads each atomic tensor's `param` (checksums verified) and writes it, split into its HF
 tensors, into sharded safetensors files whose headers are planned up front, so memory holds one
 atomic tensor. Import reads the HF tensors of one atomic tensor, joins them in fp32 and writes a
-weights-only universal checkpoint at iteration 0 through stream_write.py.
+weights-only universal checkpoint at iteration 0 through writer.py.
 """
 
 import json

@@ -1,6 +1,6 @@
 """Hugging Face <-> universal checkpoint: the model facts, the names and the tensor reorderings.
 
-Pure functions (numpy, no I/O): hf_convert.py streams files through them. Only models whose
+Pure functions (numpy, no I/O): hf.py streams files through them. Only models whose
 computation megatron-core reproduces exactly are mapped; every other model is refused with an
 error naming the difference (docs/design.md, "Hugging Face models").
 

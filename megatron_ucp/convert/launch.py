@@ -1,8 +1,8 @@
 """Start CPU worker processes of a given layout under torchrun, for the converters.
 
 Converting through megatron's own code (its loader, its torch_dist writer) needs processes of
-the layout on one side of the conversion; both directions (`convert.py --via-megatron`,
-`export_torch_dist.py`) start them the same way: `python -m <module> <argv>` on a free local
+the layout on one side of the conversion; both directions (`to_universal.py --via-megatron`,
+`export_torch_dist.py`) start the training application's workers (train/workers.py) the same way: `python -m <module> <argv>` on a free local
 port, one thread per process, gloo.
 """
 

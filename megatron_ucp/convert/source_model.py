@@ -4,9 +4,8 @@ each other: the training arguments a checkpoint stores turned back into flags
 validated namespace (`source_args`), and the whole model on the meta device in one process
 (`single_process_megatron`, `meta_model`).
 
-The one converter module that builds models with the training application's argument parser
-and model builder (train/args.py, train/model.py): an upward import on tests/test_imports.py's
-allow-list until those builders move below train/.
+It builds them with Megatron-LM's flags (mcore/flags.py) and the model builder (mcore/model.py),
+the same the training application uses.
 """
 
 import argparse
