@@ -2,8 +2,8 @@
 
 Converting through megatron's own code (its loader, its torch_dist writer) needs processes of
 the layout on one side of the conversion; both directions (`to_universal.py --via-megatron`,
-`export_torch_dist.py`) start the training application's workers (train/workers.py) the same way: `python -m <module> <argv>` on a free local
-port, one thread per process, gloo.
+`export_torch_dist.py`) start the training application's workers (train/workers.py) the same
+way: `python -m <module> <argv>` on a free local port, one thread per process, gloo.
 """
 
 import os
