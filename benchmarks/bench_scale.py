@@ -23,7 +23,7 @@ classes), each step timed on the rank that runs it. Reported per layout:
 - files, their sizes, the manifest's size and its parse time (json.loads, best of three);
 - read/ckpt: bytes read from storage per checkpoint byte by a load on the same layout: with the
   read policy "per-rank" (each rank reads its whole TP-local weights and its fragment's
-  moments: load._ranges), and with "once" (read_plan.split run for each replica group's
+  moments: reads.ranges), and with "once" (read_plan.split run for each replica group's
   weights, one group per class: the groups of a class hold the same needs; the moments are
   each rank's own). Each TP rank of a TP-replicated tensor (norms) and a tied copy read it
   again: their own groups.

@@ -118,13 +118,13 @@ def test_the_inline_threshold_must_be_a_positive_integer(monkeypatch):
     import pytest
 
     from megatron_ucp.errors import ConfigError
-    from megatron_ucp.engine.load import _inline_hash_bytes
+    from megatron_ucp.engine.verify import inline_hash_bytes
 
     monkeypatch.delenv("UCP_INLINE_HASH_BYTES", raising=False)
-    assert _inline_hash_bytes() == 256 * 2**10
+    assert inline_hash_bytes() == 256 * 2**10
     monkeypatch.setenv("UCP_INLINE_HASH_BYTES", "4096")
-    assert _inline_hash_bytes() == 4096
+    assert inline_hash_bytes() == 4096
     for bad in ("0", "-1", "1k", ""):
         monkeypatch.setenv("UCP_INLINE_HASH_BYTES", bad)
         with pytest.raises(ConfigError, match="UCP_INLINE_HASH_BYTES"):
-            _inline_hash_bytes()
+            inline_hash_bytes()

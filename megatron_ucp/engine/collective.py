@@ -2,10 +2,21 @@
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_ucp import errors as errors_module
 from megatron_ucp.errors import UCPError
+
+
+def group_device(group=None) -> torch.device:
+    """Where a collective over `group` (None: the default group) takes its tensors: the CPU for
+    gloo, else the current accelerator (NCCL and its kin exchange through device memory)."""
+    backend = str(dist.get_backend(group)).lower()
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if backend == "gloo" or accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def agree(error: Optional[BaseException], group=None) -> None:
@@ -56,11 +67,10 @@ def exchange_objects(payloads: dict, group=None, device=None) -> dict:
     {source: object} for the ranks that sent this rank something. Unlike all_gather_object, a
     rank receives only what is addressed to it (plus one length per rank), so the bytes follow
     the rank's share, not the world's. `device`: where the group's collectives take tensors
-    (cuda under NCCL)."""
+    (group_device by default)."""
     import pickle
 
-    import torch
-
+    device = device if device is not None else group_device(group)
     world = dist.get_world_size(group)
     blobs = [pickle.dumps(payloads[d], protocol=pickle.HIGHEST_PROTOCOL) if d in payloads else b""
              for d in range(world)]
@@ -82,8 +92,7 @@ def exchange_objects(payloads: dict, group=None, device=None) -> dict:
 
 def all_true(flag: bool, group=None, device=None) -> bool:
     """Whether `flag` holds on every rank: one integer reduced, whatever the world's size."""
-    import torch
-
+    device = device if device is not None else group_device(group)
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())

@@ -8,7 +8,7 @@ run from storage, then each piece is broadcast from its reader to the others. Ev
 read by exactly one member, the members read within one element of each other, and at most
 members - 1 needs are cut in two (each member reads whole files but at its run's two ends).
 
-Pure functions; the load (load.py) supplies the needs, verifies that the members agree on them
+Pure functions; the load (reads.py) supplies the needs, verifies that the members agree on them
 (`digest`), and does the reads and the exchange.
 """
 

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_ucp.engine.collective import group_device
 from megatron_ucp.engine.read_plan import Need, Share, digest, disagreement, order, split
 
 # Bytes of staging buffers in flight at once during an exchange (where the model's tensor
@@ -30,16 +31,6 @@ def replica_group(expert: bool):
     if expert:
         return parallel_state.get_expert_data_parallel_group()
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-def group_device(group) -> torch.device:
-    """Where a collective over `group` takes its tensors: the CPU for gloo, else the current
-    accelerator (NCCL and its kin exchange through device memory)."""
-    backend = str(dist.get_backend(group)).lower()
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if backend == "gloo" or accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def agreed_split(needs: List[Need], group, across_nodes_only: bool = False

@@ -24,7 +24,8 @@ from megatron.core import parallel_state
 
 from megatron_ucp import settings
 from megatron_ucp.engine import ownership
-from megatron_ucp.engine.collective import all_true, exchange_objects, on_rank_zero, run_everywhere
+from megatron_ucp.engine.collective import (all_true, exchange_objects, group_device, on_rank_zero,
+                                            run_everywhere)
 from megatron_ucp.engine.plan import offer_items
 from megatron_ucp.engine.planner import part_shapes_of, plan_save
 from megatron_ucp.errors import IncompleteCheckpointError, SaveError
@@ -113,14 +114,14 @@ def _plan(tensors, states, with_optimizer: bool):
     """
     offers, sources = _offers(tensors, states, with_optimizer)
     entries_here = _tensor_entries(tensors, states)
-    world, rank, device = dist.get_world_size(), dist.get_rank(), _p2p_device()
+    world, rank = dist.get_world_size(), dist.get_rank()
     digest = hashlib.sha256(pickle.dumps((offers, entries_here, _merging_rows(), world))).hexdigest()
     cached = _PLAN_CACHE.get(digest)
-    if all_true(cached is not None, device=device):
+    if all_true(cached is not None):
         plan, created = cached
     else:
         plan, created = plan_save(offers, entries_here, rank, world,
-                                  functools.partial(exchange_objects, device=device),
+                                  exchange_objects,
                                   lambda e: mf.file_layout(e).file_size, _merging_rows())
         if plan.errors:
             raise IncompleteCheckpointError("save plan does not cover the model: " + "; ".join(plan.errors[:5]))
@@ -191,13 +192,6 @@ def _staging_buffer(staging, key, shape) -> np.ndarray:
     if buf is None or buf.shape != shape:
         buf = host_memory.empty_fp32(int(np.prod(shape))).reshape(shape)
     return buf
-
-
-def _p2p_device() -> torch.device:
-    """Where the default group's point-to-point operations take tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _block_views(block, source) -> list:
@@ -366,7 +360,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     # Column blocks travel over NCCL as device tensors on a synchronous save; an asynchronous
     # one stages them on the host now and sends them over its own gloo group in the background.
     rows, send_buffers, transfers = _stage_rows(merges, rank, sources, staging,
-                                                torch.device("cpu") if async_save else _p2p_device())
+                                                torch.device("cpu") if async_save else group_device())
     snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                           consumed_samples, args, save_rng, progress) if rank == 0 else None
@@ -398,8 +392,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
         everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)
         sums = everywhere(_checksum, tmp, entries, layouts, created)
         # Only rank 0 writes them into the manifest: each rank sends it its files' checksums.
-        device = _p2p_device() if group is None else torch.device("cpu")
-        all_checksums = list(exchange_objects({0: sums} if sums else {}, group, device).values())
+        all_checksums = list(exchange_objects({0: sums} if sums else {}, group).values())
         final = iteration_dir(save_dir, iteration)
         everywhere(lambda: _commit(save_dir, tmp, iteration, head, all_checksums, keep_last)
                    if rank == 0 else None)

@@ -1,0 +1,190 @@
+"""Where a load's bytes come from and where they land: the ranges of its checkpoint each local
+tensor holds, the reads that fill them from the tensor files (in place where the memory allows),
+and, under read-once, the shares each replica-group member reads and broadcasts to the others
+(read_plan.py, replicas.py)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ucp.engine import replicas
+from megatron_ucp.engine.collective import group_device, run_everywhere
+from megatron_ucp.engine.read_plan import Need
+from megatron_ucp.format import host_memory, manifest as mf, safe_files, tensor_io
+from megatron_ucp.format.layout import fragment_regions, padding_shape, region_runs
+
+
+def host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
+    """A flat fp32 numpy view sharing `tensor`'s memory, so reads land in place (CPU only)."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+        return None
+    return tensor.detach().view(-1).numpy()
+
+
+def file_runs(entry, t, state, start, stop):
+    """The reads that fill local flat elements [start, stop) of `state`: (file tensor name,
+    [(file element, element from start, length)]) per held region, and whether they cover
+    every element (they do not where the checkpoint lacks rows: new vocabulary padding)."""
+    held = t.pieces(entry["padding_rows"] if t.padded_rows is not None else None)
+    regions = fragment_regions(held, start, stop)
+    part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
+    reads = []
+    for local_start, region in regions:
+        runs = region_runs(part_shapes[region.part], region)
+        reads.append((mf.file_tensor_name(state, region.part),
+                      np.stack([runs[:, 1], runs[:, 0] + (local_start - start), runs[:, 2]], axis=1)))
+    return reads, sum(r.numel for _, r in regions) == stop - start
+
+
+def read_range(path, entry, layout, t, state, start, stop, counter, out=None, hash_spans=(),
+                hashes=None) -> np.ndarray:
+    """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
+
+    Reads into `out` (stop - start fp32 elements) when given, else into a new array (on huge
+    pages: it is filled at once). Hashes the `hash_spans` it reads (tensor_io.read_runs).
+    """
+    reads, complete = file_runs(entry, t, state, start, stop)
+    if out is None:
+        out = host_memory.empty_fp32(stop - start)
+    if not complete:
+        out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
+    for name, runs in reads:
+        tensor_io.read_runs(path, layout, name, runs, out, counter, hash_spans, hashes)
+    return out
+
+
+def ranges(t):
+    """(state, local start, local stop) of every range of its checkpoint `t` holds."""
+    yield "param", 0, t.param.numel()
+    if t.fragment is not None:
+        for state in ("exp_avg", "exp_avg_sq"):
+            yield state, t.fragment.start, t.fragment.stop
+
+
+def local_region(t, state: str, start: int, stop: int) -> torch.Tensor:
+    """The model's tensor of local flat elements [start, stop) of `state` (1-D view)."""
+    if state == "param":
+        return t.param.data.view(-1)[start:stop]
+    f = t.fragment
+    return getattr(f, state).view(-1)[start - f.start:stop - f.start]
+
+
+def deliver(t, state: str, start: int, stop: int, data: torch.Tensor) -> None:
+    """Hand fp32 values of local flat elements [start, stop) of `state` to the model: its
+    tensor (unless `data` is it), and the distributed optimizer's fp32 master copy."""
+    region = local_region(t, state, start, stop)
+    if region.data_ptr() != data.data_ptr() or region.device != data.device:
+        region.copy_(data)
+    f = t.fragment
+    if state == "param" and f is not None and not f.main_is_model:
+        lo, hi = max(start, f.start), min(stop, f.stop)
+        if lo < hi:
+            f.main[lo - f.start:hi - f.start].copy_(data[lo - start:hi - start])
+
+
+@dataclass
+class ReadPlan:
+    """What this rank reads from storage, and what it exchanges with its replicas."""
+
+    reads: list  # per local tensor: [(state, start, stop, staged)]; staged: kept for an exchange
+    # (group, its global ranks, [(key, share)]) in the agreed order; key: (tensor index, state,
+    # start, stop) of the share
+    exchanges: list
+    notes: list  # why a replica group reads per rank
+
+
+def replica_needs(tensors, policy: str, distributed_moments: bool):
+    """Per replica group (dense, expert): the ranges all its members hold, as (Need, tensor
+    index); and the per-tensor reads this rank makes alone (distributed-optimizer moments are
+    this rank's own; everything, with the policy "per-rank")."""
+    reads = [[] for _ in tensors]
+    needs = {False: [], True: []}
+    for i, t in enumerate(tensors):
+        what = repr((t.atomic_shape, t.padded_rows, t.boxes))
+        for state, start, stop in ranges(t):
+            if policy != "per-rank" and (state == "param" or not distributed_moments):
+                needs[t.expert].append((Need(t.name, state, start, stop, what), i))
+            else:
+                reads[i].append((state, start, stop, False))
+    return reads, needs
+
+
+def read_plan(tensors, policy: str, distributed_moments: bool) -> ReadPlan:
+    """Collective (one small all-gather per replica group, but with "per-rank"): this rank's
+    reads and exchanges. "auto" splits the reads of groups that span nodes only."""
+    reads, needs = run_everywhere(replica_needs, tensors, policy, distributed_moments)
+    plan = ReadPlan(reads, [], [])
+    if policy == "per-rank":
+        return plan
+    for expert in (False, True):  # every rank, in this order: each takes part in both groups
+        group = replicas.replica_group(expert)
+        pairs = needs[expert]
+        shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group, policy == "auto")
+        if shares is None:
+            for n, i in pairs:
+                reads[i].append((n.state, n.start, n.stop, False))
+            if why is not None:
+                plan.notes.append(why)
+            continue
+        device = group_device(group)
+        me = ranks.index(dist.get_rank())
+        items = []
+        for j, share in shares:
+            n, i = pairs[j]
+            key = (i, n.state, share.start, share.stop)
+            if share.reader == me:
+                region = local_region(tensors[i], n.state, share.start, share.stop)
+                staged = region.dtype != torch.float32 or region.device != device
+                reads[i].append((n.state, share.start, share.stop, staged))
+            items.append((key, share))
+        plan.exchanges.append((group, ranks, items))
+    return plan
+
+
+def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans: dict,
+                  hashes: dict, staged: dict) -> None:
+    """This rank's reads from storage, in place where it can; several files in flight where
+    this node has cores to spare (tensor_io.read_threads), each thread counting its own bytes.
+    The `hash_spans` of each tensor are hashed as they are read, into `hashes`; the reads an
+    exchange sends from a staging copy leave it in `staged`."""
+    def load_one(i):
+        t, mine, found = tensors[i], tensor_io.ReadCounter(), []
+        entry, layout = m["tensors"][t.name], layouts[t.name]
+        path = safe_files.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
+        spans = hash_spans.get(t.name, ())
+        with torch.no_grad():
+            for state, start, stop, keep in plan.reads[i]:  # the reads read_spans planned the hashing of
+                in_place = host_view(local_region(t, state, start, stop))
+                data = read_range(path, entry, layout, t, state, start, stop, mine, in_place,
+                                   spans, found)
+                deliver(t, state, start, stop, torch.from_numpy(data))
+                if keep:
+                    staged[(i, state, start, stop)] = data
+        return t.name, mine, found
+
+    # Largest first, so that the threads' tails are short.
+    order = sorted((i for i, reads in enumerate(plan.reads) if reads),
+                   key=lambda i: -sum(stop - start for _, start, stop, _ in plan.reads[i]))
+    for name, done, found in tensor_io.in_parallel(load_one, order, tensor_io.read_threads()):
+        counter.bytes += done.bytes
+        counter.calls += done.calls
+        hashes.setdefault(name, []).extend(found)
+
+
+def exchange(tensors, plan: ReadPlan, staged: dict) -> int:
+    """Collective over each replica group: every share broadcast from its reader to the other
+    members. Returns the bytes this rank received."""
+    def land(key, data):
+        i, state, start, stop = key
+        with torch.no_grad():
+            deliver(tensors[i], state, start, stop, data)
+
+    received = 0
+    for group, ranks, items in plan.exchanges:
+        received += replicas.broadcast_shares(
+            group, ranks, [(key, local_region(tensors[key[0]], *key[1:]), share) for key, share in items],
+            staged, land)
+    return received

@@ -1,0 +1,163 @@
+"""A verified load's checksums: every byte of every tensor file hashed once, by the rank that
+reads it where it can (inline, as the load reads it), the rest after the load; each file's
+block hashes checked by one rank (checksums.py), so that a damaged byte fails the load on every
+rank before it returns."""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_ucp import settings
+from megatron_ucp.engine.collective import run_everywhere
+from megatron_ucp.engine.reads import ReadPlan, file_runs
+from megatron_ucp.errors import IntegrityError
+from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_io
+
+
+def inline_hash_bytes() -> int:
+    """Reads shorter than this (a TP rank's half rows) are not hashed inline: each would be a
+    piece to gather and combine. The pass after the load hashes those bytes, from the page
+    cache the load has just filled. UCP_INLINE_HASH_BYTES overrides the 256 KiB."""
+    return settings.inline_hash_bytes()
+
+
+class Layouts(dict):
+    """Each tensor file's layout, built from its manifest entry when first asked for: a load
+    builds only the layouts of what it reads, and each once."""
+
+    def __init__(self, entries: dict):
+        super().__init__()
+        self._entries = entries
+
+    def __missing__(self, name):
+        self[name] = layout = mf.file_layout(self._entries[name])
+        return layout
+
+
+@dataclass
+class HashPlan:
+    """Who hashes which bytes of the checkpoint's tensor files (see checksums.py)."""
+
+    inline: dict  # tensor name -> sorted file byte spans this rank hashes as it reads them
+    after: list  # (tensor name, lo, hi) this rank hashes by reading, after the load
+    checks: list  # tensor names whose blocks this rank checks, from the hashes sent to it
+    checker: dict  # tensor name -> the rank that checks its blocks
+
+
+def check_files(root: str, m: dict) -> list:
+    """Sizes, headers and recorded checksums of this rank's share of the tensor files (the
+    share by size, as file creation); returns every rank's share."""
+    from megatron_ucp.engine.plan import assign_files
+    from megatron_ucp.format.inspection import check_file
+
+    sizes = {name: int(e.get("file_size", 0)) for name, e in m["tensors"].items()}
+    shares = assign_files(sizes, dist.get_world_size())
+    mine = shares[dist.get_rank()]
+    # A cold header read is a disk round trip (10 ms here): several in flight.
+    found = tensor_io.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
+    problems = [p for file_problems in found for p in file_problems]
+    if problems:
+        raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
+    return shares
+
+
+def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
+    """Without verification, the header of each file this rank reads (a few KB) is still
+    checked against the manifest: the reads take their offsets from the manifest's layout, so a
+    valid file with a longer header would be misread silently. Also refuses FIFOs and devices."""
+    from megatron_ucp.format.inspection import check_header
+
+    names = sorted({t.name for t, reads in zip(tensors, plan.reads) if reads})
+    tensor_io.in_parallel(lambda name: check_header(root, name, m["tensors"][name]), names)
+
+
+def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
+    """The file byte spans of this rank's load reads, per tensor, long enough to hash inline."""
+    out: dict = {}
+    shortest = inline_hash_bytes()
+    for t, reads in zip(tensors, plan.reads):
+        entry = m["tensors"][t.name]
+        layout = layouts[t.name]
+        for state, start, stop, _ in reads:
+            for name, runs in file_runs(entry, t, state, start, stop)[0]:
+                out.setdefault(t.name, []).extend(
+                    s for s in tensor_io.read_spans(layout, name, runs) if s[1] - s[0] >= shortest)
+    return out
+
+
+def hash_plan(root: str, m: dict, layouts, tensors, reading: ReadPlan) -> HashPlan:
+    """Collective: files checked (sizes, headers), then every byte of every tensor file given
+    one rank to hash, as it loads it where it can (the reads of `reading`: under read-once, each
+    replicated byte is read, and so hashed, by one member of its replica group)."""
+    shares = run_everywhere(check_files, root, m)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checker = {name: r for r, names in enumerate(shares) for name in names}
+    # Each file's hashing is planned by its owner (planner.owner_of), from the spans its readers
+    # send it: a rank sends and receives what concerns its own reads and files, not the world's.
+    from megatron_ucp.engine.collective import exchange_objects
+    from megatron_ucp.engine.planner import owner_of
+    from megatron_ucp.format.checksums import plan_hashes
+
+    spans = run_everywhere(read_spans, m, layouts, tensors, reading)
+    routed: dict = {}
+    for name, s in spans.items():
+        routed.setdefault(owner_of(name, world), {})[name] = s
+    told = exchange_objects(routed)
+
+    def plan():
+        files = {name: (len(layouts[name].header), entry["file_size"], entry["block_bytes"])
+                 for name, entry in m["tensors"].items() if owner_of(name, world) == rank}
+        return plan_hashes(files, told, world, rank)
+
+    mine = exchange_objects(run_everywhere(plan))
+    inline, after = {}, []
+    for owner in sorted(mine):
+        inline.update(mine[owner]["inline"])
+        after += mine[owner]["after"]
+    return HashPlan(inline, after, shares[rank], checker)
+
+
+def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> int:
+    """Collective, after the load: hash what the load did not, send each file's hashes to the
+    rank that checks it, and check the blocks of this rank's share of the files. Returns the
+    bytes hashed after."""
+
+    def hash_rest():
+        todo = list(plan.after)
+        for name, spans in plan.inline.items():  # any piece the reads did not meet
+            done = {(lo, hi) for lo, hi, _ in hashes.get(name, ())}
+            todo += [(name, lo, hi) for lo, hi in spans if (lo, hi) not in done]
+        by_file: dict = {}
+        for name, lo, hi in todo:
+            by_file.setdefault(name, []).append((lo, hi))
+        for name, spans in by_file.items():
+            path = safe_files.safe_join(root, m["tensors"][name]["file"])
+            crcs = checksums.crc_spans(path, spans)
+            hashes.setdefault(name, []).extend((lo, hi, c) for (lo, hi), c in zip(spans, crcs))
+        return sum(hi - lo for _, lo, hi in todo)
+
+    rehashed = run_everywhere(hash_rest)
+    from megatron_ucp.engine.collective import exchange_objects
+
+    # Each file's hashes go to its checker only: a rank sends and receives what concerns its
+    # own reads and files, not the world's. A set: bytes a rank happens to read twice are
+    # hashed twice, and must count once.
+    routed: dict = {}
+    for name, h in hashes.items():
+        if h:
+            routed.setdefault(plan.checker[name], {})[name] = sorted(set(h))
+    received = exchange_objects(routed)
+
+    def check():
+        problems = []
+        for name in plan.checks:
+            entry = m["tensors"][name]
+            hashed = [p for h in received.values() for p in h.get(name, ())]
+            problems += checksums.check_blocks(safe_files.safe_join(root, entry["file"]),
+                                               len(layouts[name].header), entry["file_size"],
+                                               entry["block_bytes"], entry["checksums"], hashed)
+        if problems:
+            raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
+
+    run_everywhere(check)
+    return rehashed
