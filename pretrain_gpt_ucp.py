@@ -19,13 +19,15 @@ from megatron_ucp.errors import UCPError, report
 def main() -> int:
     # megatron-core warns once per module that apex/TE are absent; say it once instead.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
-    from megatron_ucp.train.loop import pretrain
+    from megatron_ucp.train.loop import close_distributed, pretrain
 
     try:
         pretrain(sys.argv[1:])
+        status = 0
     except UCPError as e:  # bad arguments or a bad checkpoint: one line per job, no traceback
-        return report("pretrain_gpt_ucp.py", e)
-    return 0
+        status = report("pretrain_gpt_ucp.py", e)
+    close_distributed()  # before the interpreter's exit, which gloo may abort (loop.py)
+    return status
 
 
 if __name__ == "__main__":

@@ -299,3 +299,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     spec = json.load(open(sys.argv[1]))
     (load_phase if spec.get("phase") == "load" else main)(spec, sys.argv[2])
+    loop.close_distributed()  # before the interpreter's exit, which gloo may abort

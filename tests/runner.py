@@ -366,6 +366,7 @@ def main(spec_path: str, result_path: str) -> int:
                 with open(f"{path}.tmp", "w") as f:  # atomic: torchrun may kill us mid-write
                     json.dump(results, f, indent=1)
                 os.replace(f"{path}.tmp", path)
+    loop.close_distributed()  # before the interpreter's exit, which gloo may abort (loop.py)
     return 0
 
 

@@ -455,6 +455,28 @@ def test_a_failing_resume_is_one_line_no_traceback(good):
     assert "'architecture' lacks 'num_layers'" in lines[0] and "Traceback" not in out
 
 
+def test_entry_point_closes_its_process_group_on_success_and_on_error(good, tmp_path):
+    """pretrain_gpt_ucp.main destroys the process group before returning, after a run and after
+    a one-line error: left to the interpreter's exit, gloo aborts the process now and then
+    (SIGABRT, "terminate called without an active exception"), which CI saw as a failed job."""
+    work, ckpt = good
+    damaged = _copy_edit(ckpt, tmp_path / "damaged", _manifest_edit(_set("architecture", value={})))
+    probe = (
+        "import sys, torch.distributed as dist\n"
+        "sys.argv = ['pretrain_gpt_ucp.py'] + sys.argv[1:]\n"
+        "import pretrain_gpt_ucp\n"
+        "status = pretrain_gpt_ucp.main()\n"
+        "print('status', status, 'initialized after', dist.is_initialized())\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    for argv, status in ((ARGS, 0), (ARGS + ["--load", str(damaged), "--train-iters", "3"], 2)):
+        r = subprocess.run([sys.executable, "-c", probe] + argv, env=env, capture_output=True,
+                           text=True, timeout=300, cwd=REPO)
+        assert f"status {status} initialized after False" in r.stdout, (r.stdout + r.stderr)[-3000:]
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
 def test_torchrun_job_fails_promptly_with_one_line(good):
     """Every rank raises the error (no rank hangs in a collective); rank 0 prints it once. The
     only traceback is torchrun's own, of its launcher (no frame of megatron_ucp)."""
