@@ -49,18 +49,22 @@ class Rule:
         return cls(kind=obj["kind"], dim=int(obj.get("dim", 0)))
 
 
+class _Extent:
+    """The element count of a record with a `shape`."""
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
 @dataclass(frozen=True)
-class Piece:
+class Piece(_Extent):
     """Local flat elements [local_start, local_start + numel) hold `box` of atomic `part`."""
 
     local_start: int
     part: str
     offset: Tuple[int, ...]
     shape: Tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
 
 
 def _even(size: int, parts: int, what: str) -> int:
@@ -143,17 +147,13 @@ def pieces(rule: Rule, atomic_shape, tp: int, tp_rank: int, padded_rows: Optiona
 
 
 @dataclass(frozen=True)
-class Box:
+class Box(_Extent):
     """Local flat elements [local_start, local_start + numel) hold `box` (offset, shape) of a
     global tensor, the padded one for vocabulary tensors: one megatron ShardedTensor."""
 
     local_start: int
     offset: Tuple[int, ...]
     shape: Tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
 
 
 def box_pieces(boxes, atomic_shape, padded_rows: Optional[int] = None,

@@ -49,37 +49,26 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+# Megatron-LM flags that are TransformerConfig fields of the same name.
+_MOE_FLAGS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
+              "moe_grouped_gemm", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+              "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
+_MLA_FLAGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rotary_base", "rotary_scaling_factor")
+
+
 def transformer_config(args) -> TransformerConfig:
     dtype = params_dtype(args)
     moe = {}
     if args.num_experts is not None:
-        moe = dict(
-            num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-            moe_router_dtype="fp32",
-            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-            moe_layer_freq=args.moe_layer_freq,
-            moe_router_score_function=args.moe_router_score_function,
-            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        )
+        moe = dict(num_moe_experts=args.num_experts, moe_router_dtype="fp32",
+                   **{name: getattr(args, name) for name in _MOE_FLAGS})
     config_class, mla = TransformerConfig, {}
     if args.multi_latent_attention:
         config_class = MLATransformerConfig
-        mla = dict(
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_head_dim=args.qk_head_dim,
-            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-            v_head_dim=args.v_head_dim,
-            rotary_base=args.rotary_base,
-            rotary_scaling_factor=args.rotary_scaling_factor,
-            **({"rope_type": args.rope_type} if args.rope_type else {}),
-        )
+        mla = {name: getattr(args, name) for name in _MLA_FLAGS}
+        if args.rope_type:
+            mla["rope_type"] = args.rope_type
     return config_class(
         num_layers=args.num_layers,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
