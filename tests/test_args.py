@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from harness import REPO, assert_config_error_names
-from megatron_ucp.mcore.flags import build_parser, pad_vocab_size, validate
+from megatron_ucp.mcore.flag_validation import pad_vocab_size, validate
+from megatron_ucp.mcore.flags import build_parser
 
 
 def parse(argv, world):

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from megatron_ucp.mcore import elastic
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.mcore.flags import build_parser, validate
+from megatron_ucp.mcore.flag_validation import validate
+from megatron_ucp.mcore.flags import build_parser
 
 
 @st.composite

@@ -13,7 +13,8 @@ import torch
 
 from harness import BASE, losses, ok, run_steps
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.mcore.flags import build_parser, validate
+from megatron_ucp.mcore.flag_validation import validate
+from megatron_ucp.mcore.flags import build_parser
 from megatron_ucp.train.data import build_gpt_datasets, microbatches, split_sizes
 
 VOCAB = 250  # --vocab-size: tokens 0..249, EOD 250, the model's vocabulary 251

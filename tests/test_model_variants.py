@@ -22,7 +22,8 @@ from harness import assert_config_error_names, losses, run_steps, train_step
 from megatron_ucp.mcore.compat import core_version
 from megatron_ucp.mcore.elastic import Batch, Layout, ModelDims, choose_layout, pipeline_split_problem
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.mcore.flags import build_parser, validate
+from megatron_ucp.mcore.flag_validation import validate
+from megatron_ucp.mcore.flags import build_parser
 
 ITERS = 4
 # fp32 layouts of one model agree to 5e-7 here; megatron-core's partial MLA rotary-key grad
@@ -390,7 +391,8 @@ def test_mla_query_norm_without_compression_is_refused_where_megatron_cannot_bui
     without TE that model cannot be built, and the flags are named instead of a mock's error."""
     from megatron_ucp.mcore.compat import core_version
     from megatron_ucp.mcore import model
-    from megatron_ucp.mcore.flags import build_parser, validate
+    from megatron_ucp.mcore.flag_validation import validate
+    from megatron_ucp.mcore.flags import build_parser
 
     argv = ["--cpu", "--mock-data", "--num-layers", "2"] + MLA
     args = validate(build_parser().parse_args(argv), 2)

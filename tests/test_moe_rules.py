@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from megatron_ucp.errors import ConfigError
-from megatron_ucp.mcore.flags import build_parser, moe_layer_freq, validate
+from megatron_ucp.mcore.flag_validation import validate
+from megatron_ucp.mcore.flags import build_parser, moe_layer_freq
 
 
 def test_moe_layer_freq_forms():

@@ -113,7 +113,8 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
     from megatron_ucp.format.folder import iteration_dir
     from megatron_ucp.format.manifest import read_manifest
-    from megatron_ucp.mcore.flags import build_parser, validate
+    from megatron_ucp.mcore.flag_validation import validate
+    from megatron_ucp.mcore.flags import build_parser
 
     root, it = resolve(ckpt, iteration)
     m = read_manifest(iteration_dir(root, it))

@@ -75,7 +75,8 @@ def _given(parser, argv: list) -> dict:
 
 def source_args(argv: list, world: int):
     """The namespace `argv` gives pretrain_gpt_ucp.py, validated for a world of `world` processes."""
-    from megatron_ucp.mcore.flags import build_parser, validate
+    from megatron_ucp.mcore.flag_validation import validate
+    from megatron_ucp.mcore.flags import build_parser
 
     source = build_parser().parse_args(argv)
     validate(source, world)

@@ -17,7 +17,7 @@ the batch sizes (see docs/elastic.md):
    number does not fit.
 
 No fitting layout is a ConfigError naming the world size and what each candidate lacked.
-The checks mirror `megatron_ucp.mcore.flags.validate`, which the property tests hold them to.
+The checks mirror `megatron_ucp.mcore.flag_validation.validate`, which the property tests hold them to.
 """
 
 from collections.abc import Iterator
