@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.convert.dcp_reader import DcpReader
-from megatron_ucp.convert.torch_dist import _stage_members
+from megatron_ucp.convert.torch_dist_buckets import _stage_members
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 
 pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)
@@ -86,7 +86,7 @@ def test_every_parameter_lives_on_exactly_one_pipeline_chunk(pp, vpp, per_chunk)
 def test_optimizer_domains_number_every_model_parallel_rank_once(tp, pp, ep, etp, dp, experts):
     from types import SimpleNamespace
 
-    from megatron_ucp.convert.torch_dist import _domains
+    from megatron_ucp.convert.torch_dist_buckets import _domains
     from megatron_ucp.errors import LayoutError
 
     world = tp * pp * dp * (ep if experts else 1) * (etp if experts else 1)

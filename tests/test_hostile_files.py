@@ -208,11 +208,12 @@ def test_torch_save_payload_is_refused(copy_of, tmp_path, name):
 
 def test_legacy_converter_refuses_payload(copy_of, tmp_path):
     from megatron_ucp.convert import legacy as legacy_convert
+    from megatron_ucp.convert.legacy_files import forget_loaded
 
     d, marker = copy_of("torch"), tmp_path / "MARKER"
     path = d / IT / "mp_rank_00" / "model_optim_rng.pt"
     _poison_torch_file(path, marker)
-    legacy_convert._LOADED.clear()
+    forget_loaded()
     _refused(lambda: legacy_convert.convert(str(d / IT), str(tmp_path / "out"), {}, progress=False),
              path, "posix.system", kind=FormatError)
     assert not marker.exists()
@@ -344,7 +345,7 @@ def test_universal_file_that_is_not_a_regular_small_file(copy_of, case, rel, mak
 @pytest.mark.parametrize("kind", sorted(NOT_FILES))
 def test_torch_dist_file_that_is_not_a_regular_file(copy_of, name, kind):
     from megatron_ucp.convert.dcp_reader import DcpReader
-    from megatron_ucp.convert.torch_dist import plan_conversion
+    from megatron_ucp.convert.torch_dist_plan import plan_conversion
     from megatron_ucp.train.native import check_folder
 
     d = copy_of("torch_dist")
@@ -408,6 +409,7 @@ def test_torch_dist_object_longer_than_its_file_is_refused(copy_of):
 @pytest.mark.parametrize("kind", sorted(NOT_FILES))
 def test_legacy_file_that_is_not_a_regular_file(copy_of, name, kind):
     from megatron_ucp.convert import legacy as legacy_convert
+    from megatron_ucp.convert.legacy_files import forget_loaded
 
     d = copy_of("torch")
     make, says = NOT_FILES[kind]
@@ -415,7 +417,7 @@ def test_legacy_file_that_is_not_a_regular_file(copy_of, name, kind):
     make(path)
     _refused(lambda: safe_pickle.load_file(str(path), "legacy checkpoint file"), path, says)
     _refused(lambda: safe_pickle.check_torch_file(str(path), "legacy checkpoint file"), path, says)
-    legacy_convert._LOADED.clear()
+    forget_loaded()
     _refused(lambda: legacy_convert.convert(str(d / IT), str(d / "out"), {}, progress=False), path, says)
 
 

@@ -1,4 +1,5 @@
-"""Pure rules of the legacy-checkpoint converter (megatron_ucp/convert/legacy.py), in-process.
+"""Pure rules of the legacy-checkpoint converter (megatron_ucp/convert/legacy_plan.py,
+legacy_files.py, and the buffer layout in buffer_layout.py), in-process.
 
 The end-to-end checks (bitwise equality with a direct universal save, resume on other layouts,
 errors for missing information) run on real checkpoints in tests/test_resume_matrix.py.
@@ -8,7 +9,9 @@ import pytest
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.format.layout import Rule
-from megatron_ucp.convert.legacy import buffer_offsets, global_name, global_rank, model_geometry, parse_rank_dir
+from megatron_ucp.convert.buffer_layout import buffer_offsets
+from megatron_ucp.convert.legacy_files import parse_rank_dir
+from megatron_ucp.convert.legacy_plan import global_name, global_rank, model_geometry
 
 
 def test_buffer_offsets_reverse_order_and_64_element_starts():

@@ -504,10 +504,11 @@ def test_torch_dist_conversion_refuses_bad_input_and_leaves_nothing_behind(w4n, 
 def test_a_wrong_bucket_layout_is_caught_by_the_weights(w4n, work, monkeypatch):
     """Two same-size parameters in swapped places pass the size and boundary checks; the fp32
     weights in the buckets then differ from the model's, and the conversion stops naming one."""
-    from megatron_ucp.convert import torch_dist as dist_convert, legacy as legacy_convert
+    from megatron_ucp.convert import torch_dist_buckets, torch_dist_plan
+    from megatron_ucp.convert.buffer_layout import bucket_layout
     from megatron_ucp.errors import FormatError
 
-    real = legacy_convert.bucket_layout
+    real = bucket_layout
     a, b = ("decoder.layers.2.self_attention.linear_qkv.layer_norm_weight",
             "decoder.layers.2.self_attention.linear_qkv.layer_norm_bias")
 
@@ -517,6 +518,6 @@ def test_a_wrong_bucket_layout_is_caught_by_the_weights(w4n, work, monkeypatch):
             index[a], index[b] = index[b], index[a]
         return index, buckets
 
-    monkeypatch.setattr(legacy_convert, "bucket_layout", swapped)
+    monkeypatch.setattr(torch_dist_buckets, "bucket_layout", swapped)
     with pytest.raises(FormatError, match=r"linear_qkv\.layer_norm_(weight|bias): the optimizer's fp32 weights"):
-        dist_convert.plan_conversion(str(work / "N" / "iter_0000005"))
+        torch_dist_plan.plan_conversion(str(work / "N" / "iter_0000005"))

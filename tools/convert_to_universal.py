@@ -7,8 +7,8 @@ torch format) into a universal one (CPU only).
 The checkpoint's stored training arguments describe the model and layout; flags after `--`
 override or supply them. Both formats are streamed one atomic tensor at a time in this process
 (`--workers` in parallel); `--via-megatron` loads a torch_dist checkpoint with megatron's own
-loader in CPU processes of its layout instead. See megatron_ucp/convert/to_universal.py, legacy_convert.py
-and dist_convert.py.
+loader in CPU processes of its layout instead. See megatron_ucp/convert/to_universal.py, legacy.py
+and torch_dist.py.
 """
 
 import os

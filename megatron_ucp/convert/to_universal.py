@@ -32,7 +32,7 @@ def stored_args(iteration_dir: str) -> dict:
 
 def found_format(directory: str):
     """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
-    from megatron_ucp.convert.legacy import is_legacy
+    from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.format.folder import MANIFEST
 
     if os.path.lexists(os.path.join(directory, MANIFEST)):
@@ -46,7 +46,7 @@ def found_format(directory: str):
 
 
 def _resolve(input_dir: str, iteration):
-    from megatron_ucp.convert.legacy import is_legacy
+    from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.format.folder import iteration_dir, read_tracker
 
     if any(os.path.exists(os.path.join(input_dir, f)) for f in ("common.pt", ".metadata")) \
@@ -62,7 +62,7 @@ def _resolve(input_dir: str, iteration):
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
             progress=True, via_megatron=False) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
-    from megatron_ucp.convert.legacy import is_legacy
+    from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
     from megatron_ucp.format.folder import iteration_dir
 

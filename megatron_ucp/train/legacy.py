@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp.convert import safe_pickle
-from megatron_ucp.convert.legacy import MODEL_FILE, OPTIM_FILE, is_legacy, rank_dir_name  # noqa: F401
+from megatron_ucp.convert.legacy_files import MODEL_FILE, OPTIM_FILE, rank_dir_name
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.mcore import rng
 from megatron_ucp.mcore.model_map import unwrap
