@@ -129,8 +129,10 @@ def w4(work):
                   {"name": f"load_{fault}", "op": "load_expecting_error", "fatal": False,
                    "argv": train_step("", DIST + _policy("once") + extra, iters=N)["argv"]
                    + ["--load", d(f"F_{fault}")]}]
-    # TP2xDP2 (partial rows, TP-replicated tensors) and PP2xDP2 (the tied output layer's copy).
+    # TP2xDP2 (partial rows, TP-replicated tensors; with and without the distributed optimizer) and
+    # PP2xDP2 (the tied output layer's copy).
     steps += [roundtrip_step("r_tp2dp2", TP2 + DIST + _policy("once"), d("A"), K, d("R_tp2dp2"), iters=N),
+              roundtrip_step("r_tp2dp2_nodist", TP2 + _policy("once"), d("A"), K, d("R_tp2dp2_nodist"), iters=N),
               roundtrip_step("r_pp2dp2", PP2 + DIST + _policy("once"), d("A"), K, d("R_pp2dp2"), iters=N)]
     # "auto": per rank on this one node; once where the group spans (pretended) nodes of 2 ranks.
     steps += [roundtrip_step("r_auto", DIST + _policy("auto"), d("A"), K, d("R_auto"), iters=N),
@@ -214,14 +216,47 @@ def test_auto_reads_once_only_where_a_replica_group_spans_nodes(w4, work):
         assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_once" / f"iter_{K:07d}")
 
 
-def test_what_read_once_leaves_to_per_rank_reads(w4, work):
-    """TP-replicated tensors are read once per TP rank; the tied output layer's copy on the last
-    stage is read again (docs/design.md, "Read once"). Exactly that, and the same state."""
+def test_tp_replicated_tensors_are_read_once_and_the_tied_copy_again(w4, work):
+    """Tensors every TP rank holds whole are read once per job too (their replica group is
+    data x tensor parallel); the tied output layer's copy on the last stage is read again
+    (docs/design.md, "Read once"). Exactly that, and the same state."""
     source = work / "A" / f"iter_{K:07d}"
     data = _tensor_bytes(source)
-    tp2 = sum(r["read"] for r in ok(w4, "r_tp2dp2")["per_rank"])
-    assert tp2 == data + _tensor_bytes(source, _tp_replicated)  # (TP - 1) more copies
+    assert _tensor_bytes(source, _tp_replicated) > 0
+    for case in ("r_tp2dp2", "r_tp2dp2_nodist"):  # moments: tensor parallel / data x tensor parallel
+        tp2 = ok(w4, case)["per_rank"]
+        assert sum(r["read"] for r in tp2) == data and not any(r["notes"] for r in tp2), case
+    assert_same_state(work / "R_tp2dp2_nodist" / f"iter_{K:07d}", work / "R_nodist_per-rank" / f"iter_{K:07d}")
     pp2 = sum(r["read"] for r in ok(w4, "r_pp2dp2")["per_rank"])
     assert pp2 == data + _tensor_bytes(source, lambda n: n == "embedding.word_embeddings.weight")
     for name in ("R_tp2dp2", "R_pp2dp2"):
         assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_per-rank" / f"iter_{K:07d}")
+
+
+def test_replica_class_follows_what_each_rank_holds():
+    from types import SimpleNamespace
+
+    from megatron_ucp.engine.reads import replica_class
+    from megatron_ucp.format.layout import Box
+
+    def t(boxes, shape=(8, 4), padded_rows=None, expert=False):
+        return SimpleNamespace(boxes=tuple(boxes), atomic_shape=shape, padded_rows=padded_rows, expert=expert)
+
+    whole, half = [Box(0, (0, 0), (8, 4))], [Box(0, (4, 0), (4, 4))]
+    for dist_opt in (False, True):
+        assert replica_class(t(whole), "param", 2, dist_opt) == "tensor+data"  # a norm, TP2
+        assert replica_class(t(whole), "param", 1, dist_opt) == "data"  # no tensor parallelism
+        assert replica_class(t(half), "param", 2, dist_opt) == "data"  # a TP rank's half rows
+        assert replica_class(t([Box(0, (0, 0), (8, 2)), Box(16, (0, 2), (8, 2))]), "param", 2, dist_opt) == "data"
+        assert replica_class(t(whole, padded_rows=16), "param", 2, dist_opt) == "data"  # vocabulary rows
+        assert replica_class(t(whole, expert=True), "param", 2, dist_opt) == "expert"
+        assert replica_class(t([Box(0, (0,), (8,))], shape=(8,)), "param", 4, dist_opt) == "tensor+data"
+    # Moments: as the weights without the distributed optimizer; with it, each data-parallel
+    # rank's own fragment, which the TP ranks of a tensor held whole share.
+    assert replica_class(t(whole), "exp_avg", 2, False) == "tensor+data"
+    assert replica_class(t(whole), "exp_avg_sq", 2, True) == "tensor"
+    assert replica_class(t(whole), "exp_avg", 1, True) is None
+    assert replica_class(t(half), "exp_avg", 2, True) is None
+    assert replica_class(t(half), "exp_avg", 2, False) == "data"
+    assert replica_class(t(whole, expert=True), "exp_avg", 2, True) is None
+    assert replica_class(t(whole, expert=True), "exp_avg", 2, False) == "expert"

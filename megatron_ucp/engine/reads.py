@@ -96,17 +96,35 @@ class ReadPlan:
     notes: list  # why a replica group reads per rank
 
 
-def replica_needs(tensors, policy: str, distributed_moments: bool):
-    """Per replica group (dense, expert): the ranges all its members hold, as (Need, tensor
-    index); and the per-tensor reads this rank makes alone (distributed-optimizer moments are
-    this rank's own; everything, with the policy "per-rank")."""
+def replica_class(t, state: str, tensor_parallel_size: int, distributed_moments: bool) -> Optional[str]:
+    """Which replica group holds the same bytes of `state` of `t` as this rank (replicas.CLASSES),
+    or None where no other rank does. Dense tensors are replicated over data parallelism, and
+    those every TP rank holds whole (norms, row-parallel biases) over tensor parallelism too;
+    experts over expert data parallelism. The distributed optimizer gives each data-parallel
+    rank its own fragment of the moments: those are replicated over tensor parallelism only,
+    for tensors held whole, and nowhere else."""
+    own_moments = state != "param" and distributed_moments
+    if t.expert:
+        return None if own_moments else "expert"
+    whole = (tensor_parallel_size > 1 and t.padded_rows is None and len(t.boxes) == 1
+             and tuple(t.boxes[0].shape) == tuple(t.atomic_shape) and not any(t.boxes[0].offset))
+    if own_moments:
+        return "tensor" if whole else None
+    return "tensor+data" if whole else "data"
+
+
+def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parallel_size: int):
+    """Per replica class (replicas.CLASSES): the ranges all the members of this rank's group of
+    that class hold, as (Need, tensor index); and the per-tensor reads this rank makes alone
+    (replica_class None; everything, with the policy "per-rank")."""
     reads = [[] for _ in tensors]
-    needs = {False: [], True: []}
+    needs = {kind: [] for kind in replicas.CLASSES}
     for i, t in enumerate(tensors):
         what = repr((t.atomic_shape, t.padded_rows, t.boxes))
         for state, start, stop in ranges(t):
-            if policy != "per-rank" and (state == "param" or not distributed_moments):
-                needs[t.expert].append((Need(t.name, state, start, stop, what), i))
+            kind = replica_class(t, state, tensor_parallel_size, distributed_moments)
+            if policy != "per-rank" and kind is not None:
+                needs[kind].append((Need(t.name, state, start, stop, what), i))
             else:
                 reads[i].append((state, start, stop, False))
     return reads, needs
@@ -115,13 +133,18 @@ def replica_needs(tensors, policy: str, distributed_moments: bool):
 def read_plan(tensors, policy: str, distributed_moments: bool) -> ReadPlan:
     """Collective (one small all-gather per replica group, but with "per-rank"): this rank's
     reads and exchanges. "auto" splits the reads of groups that span nodes only."""
-    reads, needs = run_everywhere(replica_needs, tensors, policy, distributed_moments)
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    reads, needs = run_everywhere(replica_needs, tensors, policy, distributed_moments, tp)
     plan = ReadPlan(reads, [], [])
     if policy == "per-rank":
         return plan
-    for expert in (False, True):  # every rank, in this order: each takes part in both groups
-        group = replicas.replica_group(expert)
-        pairs = needs[expert]
+    for kind in replicas.CLASSES:  # every rank, in this order: each takes part in every group
+        if kind.startswith("tensor") and tp == 1:
+            continue  # no tensor-parallel replicas, on any rank
+        group = replicas.replica_group(kind)
+        pairs = needs[kind]
         shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group, policy == "auto")
         if shares is None:
             for n, i in pairs:

@@ -3,7 +3,8 @@ members agree on what they need, and the exchange of what each read (read_plan.p
 
 Dense parameters are replicated over the data-parallel group (with context parallelism, data x
 context), expert parameters over the expert data-parallel group: the groups megatron's own DDP
-and distributed optimizer use for them. The members' needs are compared by digest, one small
+and distributed optimizer use for them; dense parameters that every tensor-parallel rank holds
+whole (norms, row-parallel biases) over the tensor-and-data-parallel group. The members' needs are compared by digest, one small
 all-gather per group, rather than gathered. The exchange broadcasts each share from its reader
 over the group, on the group's device (the CPU for gloo, the accelerator for NCCL), straight
 into the model's tensor where it is fp32 on that device, else through a staging buffer.
@@ -24,12 +25,24 @@ from megatron_ucp.engine.read_plan import Need, Share, digest, disagreement, ord
 STAGING_BYTES = 256 * 2**20
 
 
-def replica_group(expert: bool):
-    """The process group over which a (dense or expert) parameter is replicated."""
+# The replica classes, in the order every rank takes part in their groups' exchanges.
+CLASSES = ("data", "tensor+data", "tensor", "expert")
+
+
+def replica_group(kind: str):
+    """The process group over which bytes of replica class `kind` (reads.replica_class) are
+    replicated: the groups megatron's DDP and distributed optimizer use (data parallel, with
+    context parallel; expert data parallel), and for dense tensors that every TP rank holds
+    whole, data x tensor parallel (their moments under the distributed optimizer: tensor
+    parallel)."""
     from megatron.core import parallel_state
 
-    if expert:
+    if kind == "expert":
         return parallel_state.get_expert_data_parallel_group()
+    if kind == "tensor+data":
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if kind == "tensor":
+        return parallel_state.get_tensor_model_parallel_group()
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
