@@ -11,6 +11,24 @@ import re
 from megatron_ucp.mcore.flag_validation import validate
 
 
+# The checkpointing switches (store_true) and what each does.
+_CHECKPOINT_SWITCHES = (
+    ("--no-strict-load", "universal: ignore checkpoint tensors that have no place in the model"),
+    ("--no-load-optim", "do not load optimizer state (nor the scheduler's, as in Megatron-LM)"),
+    ("--finetune", "load the model weights only: iteration and consumed samples start at 0, no "
+                   "optimizer, scheduler or RNG state is loaded (Megatron-LM's meaning)"),
+    ("--no-load-rng", "do not load RNG state: reseed from --seed and the iteration"),
+    ("--no-load-scheduler", "universal: start a fresh learning-rate scheduler (needed when the "
+                            "checkpoint holds none: otherwise that is an error)"),
+    ("--exit-on-missing-checkpoint", "an error when --load holds no checkpoint (else: train from scratch)"),
+    ("--no-save-optim", "universal: save the weights only, no optimizer or scheduler state"),
+    ("--no-save-rng", "universal: save no RNG state (a load then reseeds from --seed)"),
+    ("--use-checkpoint-args", "universal: take the model's architecture arguments from the checkpoint "
+                              "in --load (a differing command-line value is overridden, with a note)"),
+    ("--exit-signal-handler", "on SIGTERM, finish the iteration, save (synchronously) and exit 0"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt_ucp.py",
@@ -188,30 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each member a share, exchanged over the group; 'per-rank': every rank reads all it "
                         "holds (faster where the replicas share a node, whose page cache serves them one "
                         "read); 'auto' (default): once where a replica group spans nodes, else per rank")
-    g.add_argument("--no-strict-load", action="store_true",
-                   help="universal: ignore checkpoint tensors that have no place in the model")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="do not load optimizer state (nor the scheduler's, as in Megatron-LM)")
-    g.add_argument("--finetune", action="store_true",
-                   help="load the model weights only: iteration and consumed samples start at 0, no "
-                        "optimizer, scheduler or RNG state is loaded (Megatron-LM's meaning)")
-    g.add_argument("--no-load-rng", action="store_true",
-                   help="do not load RNG state: reseed from --seed and the iteration")
-    g.add_argument("--no-load-scheduler", action="store_true",
-                   help="universal: start a fresh learning-rate scheduler (needed when the checkpoint holds "
-                        "none: otherwise that is an error)")
+    for flag, text in _CHECKPOINT_SWITCHES:
+        g.add_argument(flag, action="store_true", help=text)
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="an error when --load holds no checkpoint (else: train from scratch)")
-    g.add_argument("--no-save-optim", action="store_true",
-                   help="universal: save the weights only, no optimizer or scheduler state")
-    g.add_argument("--no-save-rng", action="store_true",
-                   help="universal: save no RNG state (a load then reseeds from --seed)")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="universal: take the model's architecture arguments from the checkpoint "
-                        "in --load (a differing command-line value is overridden, with a note)")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, finish the iteration, save (synchronously) and exit 0")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit 0 after the iteration that passes this much wall time")
 

@@ -21,7 +21,8 @@ from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ucp.mcore import compat
-from megatron_ucp.mcore.flags import build_parser, validate
+from megatron_ucp.mcore.flag_validation import validate
+from megatron_ucp.mcore.flags import build_parser
 from megatron_ucp.mcore.model import build_train_state
 from megatron_ucp.train import checkpointing, progress
 from megatron_ucp.train.data import build_datasets, microbatches
