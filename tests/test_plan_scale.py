@@ -165,7 +165,8 @@ def test_unexpected_names_are_found_by_their_owners(world, saved, data):
         for owner, sent in planner.names_by_owner(names, world).items():
             assert all(planner.owner_of(n, world) == owner for n in sent)
             inbox[owner].append(sent)
-    found = [n for r in range(world) for n in planner.unclaimed(saved, inbox[r], r, world)]
+    owned = planner.names_by_owner(saved, world)
+    found = [n for r in range(world) for n in planner.unclaimed(owned.get(r, []), inbox[r])]
     assert sorted(found) == sorted(saved - set().union(*holds.values()))
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_ucp.engine.collective import run_everywhere
+from megatron_ucp.engine.planner import names_by_owner
 from megatron_ucp.engine.reads import exchange, read_plan, read_tensors
 from megatron_ucp.engine.verify import Layouts, check_hashes, check_headers, hash_plan
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
@@ -44,7 +45,7 @@ class LoadResult:
     read_notes: tuple = ()  # why a replica group read per rank under the policies "once" and "auto"
 
 
-def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
+def _check_tensors(m: dict, tensors, path: str, strict: bool, owned=()) -> None:
     saved = m["tensors"]
     wanted = {t.name for t in tensors}
     missing = sorted(wanted - saved.keys())
@@ -59,16 +60,16 @@ def _check_tensors(m: dict, tensors, path: str, strict: bool) -> None:
                 f"expects {list(t.atomic_shape)}")
     if strict:
         # Each rank sees only its own tensors: the union over ranks must cover the checkpoint.
-        # Each checkpoint tensor is checked by its owner (planner.owner_of), told by the ranks
-        # that hold it: a rank sends and receives names of its own share, not the world's.
+        # Each checkpoint tensor is checked by its owner (planner.owner_of; `owned`: this
+        # rank's), told by the ranks that hold it: a rank sends and receives names of its own
+        # share, not the world's.
         from megatron_ucp.engine.collective import exchange_objects
-        from megatron_ucp.engine.planner import names_by_owner, unclaimed
+        from megatron_ucp.engine.planner import unclaimed
 
-        rank, world = dist.get_rank(), dist.get_world_size()
-        told = exchange_objects(names_by_owner(wanted, world))
+        told = exchange_objects(names_by_owner(wanted, dist.get_world_size()))
 
         def check():
-            unexpected = unclaimed(saved.keys(), told.values(), rank, world)
+            unexpected = unclaimed(owned, told.values())
             if unexpected:
                 raise LayoutError(
                     f"{path}: checkpoint tensors have no place in the model: "
@@ -150,13 +151,16 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     m, tensors, with_optim, changed, rng_state = run_everywhere(
         _prepare, root, model, optimizer, scheduler, vocab_size, iteration, load_optim,
         load_scheduler, load_rng)
+    # The checkpoint's tensors this rank plans for (the strict check, the hashing): one pass
+    # over the manifest's names.
+    owned = names_by_owner(m["tensors"], dist.get_world_size()).get(dist.get_rank(), [])
     if strict:
-        _check_tensors(m, tensors, root, strict=True)
+        _check_tensors(m, tensors, root, strict=True, owned=owned)
     layouts = Layouts(m["tensors"])
     reading = read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
     if not verify:
         run_everywhere(check_headers, root, m, tensors, reading)
-    plan = hash_plan(root, m, layouts, tensors, reading) if verify else None
+    plan = hash_plan(root, m, layouts, tensors, reading, owned) if verify else None
     hashes: dict = {}
     staged: dict = {}
     run_everywhere(read_tensors, root, m, layouts, tensors, reading, counter,

@@ -78,8 +78,9 @@ def region_sort_key(region: Region):
 
 def assign_files(sizes: Dict[str, int], world_size: int) -> List[List[str]]:
     """Spread file creation (and later checksumming) over ranks by size, largest first, each
-    to the least loaded rank (the lower on ties): a heap, so files x log(world)."""
-    heap = [(0, r) for r in range(world_size)]
+    to the least loaded rank (the lower on ties): a heap of at most one rank per file (the
+    ranks past the files' count would get nothing), so files x log(min(files, world))."""
+    heap = [(0, r) for r in range(min(world_size, len(sizes)))]
     out: List[List[str]] = [[] for _ in range(world_size)]
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         load, rank = heapq.heappop(heap)

@@ -266,9 +266,9 @@ def names_by_owner(names, world: int) -> Dict[int, List[str]]:
     return out
 
 
-def unclaimed(saved, told, rank: int, world: int) -> List[str]:
-    """On an owner: the checkpoint's tensors it owns that no rank said it holds (`told`: the
-    name lists the ranks sent it)."""
+def unclaimed(owned, told) -> List[str]:
+    """On an owner: the checkpoint's tensors it owns (`owned`: names_by_owner of the manifest's
+    names, this rank's list) that no rank said it holds (`told`: the name lists the ranks sent
+    it)."""
     claimed = set().union(*map(set, told)) if told else set()
-    return sorted(n for n in saved if owner_of(n, world) == rank and n not in claimed)
-
+    return sorted(n for n in owned if n not in claimed)

@@ -56,9 +56,14 @@ def read_range(path, entry, layout, t, state, start, stop, counter, out=None, ha
     return out
 
 
-def ranges(t):
-    """(state, local start, local stop) of every range of its checkpoint `t` holds."""
-    yield "param", 0, t.param.numel()
+def param_numel(t) -> int:
+    return t.param.numel()
+
+
+def ranges(t, numel=param_numel):
+    """(state, local start, local stop) of every range of its checkpoint `t` holds; `numel(t)`:
+    elements of the local tensor (the simulator's tensors have no parameter)."""
+    yield "param", 0, numel(t)
     if t.fragment is not None:
         for state in ("exp_avg", "exp_avg_sq"):
             yield state, t.fragment.start, t.fragment.stop
@@ -113,7 +118,8 @@ def replica_class(t, state: str, tensor_parallel_size: int, distributed_moments:
     return "tensor+data" if whole else "data"
 
 
-def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parallel_size: int):
+def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parallel_size: int,
+                  numel=param_numel):
     """Per replica class (replicas.CLASSES): the ranges all the members of this rank's group of
     that class hold, as (Need, tensor index); and the per-tensor reads this rank makes alone
     (replica_class None; everything, with the policy "per-rank")."""
@@ -121,7 +127,7 @@ def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parall
     needs = {kind: [] for kind in replicas.CLASSES}
     for i, t in enumerate(tensors):
         what = repr((t.atomic_shape, t.padded_rows, t.boxes))
-        for state, start, stop in ranges(t):
+        for state, start, stop in ranges(t, numel):
             kind = replica_class(t, state, tensor_parallel_size, distributed_moments)
             if policy != "per-rank" and kind is not None:
                 needs[kind].append((Need(t.name, state, start, stop, what), i))
@@ -131,7 +137,7 @@ def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parall
 
 
 def read_plan(tensors, policy: str, distributed_moments: bool) -> ReadPlan:
-    """Collective (one small all-gather per replica group, but with "per-rank"): this rank's
+    """Collective (one small all-reduce per replica group, but with "per-rank"): this rank's
     reads and exchanges. "auto" splits the reads of groups that span nodes only."""
     from megatron.core import parallel_state
 
@@ -146,25 +152,34 @@ def read_plan(tensors, policy: str, distributed_moments: bool) -> ReadPlan:
         group = replicas.replica_group(kind)
         pairs = needs[kind]
         shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group, policy == "auto")
-        if shares is None:
-            for n, i in pairs:
-                reads[i].append((n.state, n.start, n.stop, False))
-            if why is not None:
-                plan.notes.append(why)
-            continue
-        device = group_device(group)
-        me = ranks.index(dist.get_rank())
-        items = []
-        for j, share in shares:
-            n, i = pairs[j]
-            key = (i, n.state, share.start, share.stop)
-            if share.reader == me:
-                region = local_region(tensors[i], n.state, share.start, share.stop)
-                staged = region.dtype != torch.float32 or region.device != device
-                reads[i].append((n.state, share.start, share.stop, staged))
-            items.append((key, share))
-        plan.exchanges.append((group, ranks, items))
+        device = group_device(group) if shares is not None else None
+
+        def staged(i, state, start, stop):
+            region = local_region(tensors[i], state, start, stop)
+            return region.dtype != torch.float32 or region.device != device
+
+        take_shares(plan, pairs, shares, group, ranks, why, ranks.index(dist.get_rank()), staged)
     return plan
+
+
+def take_shares(plan: ReadPlan, pairs, shares, group, ranks, why, me: int, staged) -> None:
+    """Pure: one replica group's split (replicas.agreed_split) into this rank's plan: its own
+    shares as reads (`staged(i, state, start, stop)`: whether the read lands in a staging copy
+    to broadcast from), every share as an item of the group's exchange; with no split (None),
+    every need as this rank's own read, and `why` as a note."""
+    if shares is None:
+        for n, i in pairs:
+            plan.reads[i].append((n.state, n.start, n.stop, False))
+        if why is not None:
+            plan.notes.append(why)
+        return
+    items = []
+    for j, share in shares:
+        n, i = pairs[j]
+        if share.reader == me:
+            plan.reads[i].append((n.state, share.start, share.stop, staged(i, n.state, share.start, share.stop)))
+        items.append(((i, n.state, share.start, share.stop), share))
+    plan.exchanges.append((group, ranks, items))
 
 
 def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans: dict,

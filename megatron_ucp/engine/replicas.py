@@ -4,12 +4,14 @@ members agree on what they need, and the exchange of what each read (read_plan.p
 Dense parameters are replicated over the data-parallel group (with context parallelism, data x
 context), expert parameters over the expert data-parallel group: the groups megatron's own DDP
 and distributed optimizer use for them; dense parameters that every tensor-parallel rank holds
-whole (norms, row-parallel biases) over the tensor-and-data-parallel group. The members' needs are compared by digest, one small
-all-gather per group, rather than gathered. The exchange broadcasts each share from its reader
-over the group, on the group's device (the CPU for gloo, the accelerator for NCCL), straight
-into the model's tensor where it is fp32 on that device, else through a staging buffer.
+whole (norms, row-parallel biases) over the tensor-and-data-parallel group. The members' needs
+are compared by fingerprint, one all-reduce of a few integers per group, rather than gathered.
+The exchange broadcasts each share from its reader over the group, on the group's device (the
+CPU for gloo, the accelerator for NCCL), straight into the model's tensor where it is fp32 on
+that device, else through a staging buffer.
 """
 
+import hashlib
 import socket
 from collections import deque
 from typing import List, Optional, Tuple
@@ -51,20 +53,49 @@ def agreed_split(needs: List[Need], group, across_nodes_only: bool = False
     """Collective over `group`: (shares in agreed order as (index into `needs`, share), the
     group's global ranks, None) when every member needs the same bytes; (None, ranks, why)
     when they do not, and each must read its own. A group of one splits nothing, nor, with
-    `across_nodes_only`, a group whose members all run on one node (one page cache)."""
+    `across_nodes_only`, a group whose members all run on one node (one page cache).
+
+    The members compare fingerprints of their needs and host names with one all-reduce of
+    eight integers (64 bytes a rank, whatever the group's size); only when they differ are the
+    digests gathered, to name the members that differ."""
     ranks = dist.get_process_group_ranks(group)
     if len(ranks) == 1:
         return None, ranks, None
     agreed = order(needs)
-    found = [None] * len(ranks)
-    dist.all_gather_object(found, (digest([needs[i] for i in agreed]), socket.gethostname()), group=group)
-    why = disagreement([d for d, _ in found], ranks)
-    if why is not None:
-        return None, ranks, why
-    if across_nodes_only and len({host for _, host in found}) == 1:
+    mine = digest([needs[i] for i in agreed])
+    same_needs, one_node = _all_equal([mine, socket.gethostname()], group)
+    if not same_needs:
+        found = [None] * len(ranks)
+        dist.all_gather_object(found, mine, group=group)
+        why = disagreement(found, ranks)
+        if why is not None:
+            return None, ranks, why
+    if across_nodes_only and one_node:
         return None, ranks, None
-    shares = split([needs[i] for i in agreed], len(ranks))
-    return [(agreed[s.need], s) for s in shares], ranks, None
+    return split_needs(needs, len(ranks), agreed), ranks, None
+
+
+def _fingerprint(text: str) -> List[int]:
+    """Two non-negative 62-bit integers from `text` (negatable in int64)."""
+    raw = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return [int.from_bytes(raw[:8], "little") >> 2, int.from_bytes(raw[8:], "little") >> 2]
+
+
+def _all_equal(texts: List[str], group) -> List[bool]:
+    """Collective over `group`: for each of `texts`, whether every member passed the same
+    one (by 124-bit fingerprint): one all-reduce (max) of the fingerprints and their negations."""
+    values = [v for text in texts for v in _fingerprint(text)]
+    t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=group_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    top, bottom = t[:len(values)].tolist(), [-v for v in t[len(values):].tolist()]
+    return [top[2 * k:2 * k + 2] == bottom[2 * k:2 * k + 2] for k in range(len(texts))]
+
+
+def split_needs(needs: List[Need], members: int, agreed: Optional[List[int]] = None) -> List[Tuple[int, Share]]:
+    """Pure: `needs` laid in the agreed order (read_plan.order, unless given) and cut into one
+    run per member (read_plan.split), as (index into `needs`, share)."""
+    agreed = order(needs) if agreed is None else agreed
+    return [(agreed[s.need], s) for s in split([needs[i] for i in agreed], members)]
 
 
 def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver) -> int:

@@ -44,14 +44,20 @@ class HashPlan:
     checker: dict  # tensor name -> the rank that checks its blocks
 
 
-def check_files(root: str, m: dict) -> list:
-    """Sizes, headers and recorded checksums of this rank's share of the tensor files (the
-    share by size, as file creation); returns every rank's share."""
+def file_checkers(entries: dict, world: int) -> list:
+    """Pure: each rank's share of the tensor files, by size (as file creation): the files whose
+    size and header it checks before the load and whose block hashes it checks after."""
     from megatron_ucp.engine.plan import assign_files
+
+    return assign_files({name: int(e.get("file_size", 0)) for name, e in entries.items()}, world)
+
+
+def check_files(root: str, m: dict) -> list:
+    """Sizes, headers and recorded checksums of this rank's share of the tensor files
+    (file_checkers); returns every rank's share."""
     from megatron_ucp.format.inspection import check_file
 
-    sizes = {name: int(e.get("file_size", 0)) for name, e in m["tensors"].items()}
-    shares = assign_files(sizes, dist.get_world_size())
+    shares = file_checkers(m["tensors"], dist.get_world_size())
     mine = shares[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
     found = tensor_io.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
@@ -85,36 +91,80 @@ def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
     return out
 
 
-def hash_plan(root: str, m: dict, layouts, tensors, reading: ReadPlan) -> HashPlan:
-    """Collective: files checked (sizes, headers), then every byte of every tensor file given
-    one rank to hash, as it loads it where it can (the reads of `reading`: under read-once, each
-    replicated byte is read, and so hashed, by one member of its replica group)."""
-    shares = run_everywhere(check_files, root, m)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    checker = {name: r for r, names in enumerate(shares) for name in names}
-    # Each file's hashing is planned by its owner (planner.owner_of), from the spans its readers
-    # send it: a rank sends and receives what concerns its own reads and files, not the world's.
-    from megatron_ucp.engine.collective import exchange_objects
+def route_spans(spans: dict, world: int) -> dict:
+    """Pure: what this rank tells each file's owner (planner.owner_of): owner -> {tensor name:
+    the spans this rank reads of its file}."""
     from megatron_ucp.engine.planner import owner_of
-    from megatron_ucp.format.checksums import plan_hashes
 
-    spans = run_everywhere(read_spans, m, layouts, tensors, reading)
     routed: dict = {}
     for name, s in spans.items():
         routed.setdefault(owner_of(name, world), {})[name] = s
-    told = exchange_objects(routed)
+    return routed
 
-    def plan():
-        files = {name: (len(layouts[name].header), entry["file_size"], entry["block_bytes"])
-                 for name, entry in m["tensors"].items() if owner_of(name, world) == rank}
-        return plan_hashes(files, told, world, rank)
 
-    mine = exchange_objects(run_everywhere(plan))
+def plan_owned_hashes(m: dict, layouts, owned, told: dict, world: int, rank: int) -> dict:
+    """Pure, on an owner: who hashes each byte of the files it owns (`owned`: their names),
+    from the spans the ranks told it (rank -> route_spans' payload): rank -> its share."""
+    from megatron_ucp.format.checksums import plan_hashes
+
+    files = {name: (len(layouts[name].header), m["tensors"][name]["file_size"], m["tensors"][name]["block_bytes"])
+             for name in owned}
+    return plan_hashes(files, told, world, rank)
+
+
+def collect_hash_plan(replies: dict, shares: list, rank: int) -> HashPlan:
+    """Pure: the owners' replies (owner -> plan_owned_hashes' share for this rank) as this
+    rank's HashPlan; `shares`: file_checkers."""
     inline, after = {}, []
-    for owner in sorted(mine):
-        inline.update(mine[owner]["inline"])
-        after += mine[owner]["after"]
+    for owner in sorted(replies):
+        inline.update(replies[owner]["inline"])
+        after += replies[owner]["after"]
+    checker = {name: r for r, names in enumerate(shares) for name in names}
     return HashPlan(inline, after, shares[rank], checker)
+
+
+def hash_plan(root: str, m: dict, layouts, tensors, reading: ReadPlan, owned) -> HashPlan:
+    """Collective: files checked (sizes, headers), then every byte of every tensor file given
+    one rank to hash, as it loads it where it can (the reads of `reading`: under read-once, each
+    replicated byte is read, and so hashed, by one member of its replica group). `owned`: the
+    checkpoint's tensors this rank owns (planner.owner_of).
+
+    Each file's hashing is planned by its owner, from the spans its readers send it: a rank
+    sends and receives what concerns its own reads and files, not the world's."""
+    from megatron_ucp.engine.collective import exchange_objects
+
+    shares = run_everywhere(check_files, root, m)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spans = run_everywhere(read_spans, m, layouts, tensors, reading)
+    told = exchange_objects(route_spans(spans, world))
+    mine = exchange_objects(run_everywhere(plan_owned_hashes, m, layouts, owned, told, world, rank))
+    return collect_hash_plan(mine, shares, rank)
+
+
+def route_hashes(hashes: dict, checker: dict) -> dict:
+    """Pure: each file's hashes (name -> [(lo, hi, crc)]) to the rank that checks it: checker ->
+    {name: sorted pieces}. A set: bytes a rank happens to read twice are hashed twice, and must
+    count once."""
+    routed: dict = {}
+    for name, h in hashes.items():
+        if h:
+            routed.setdefault(checker[name], {})[name] = sorted(set(h))
+    return routed
+
+
+def hash_problems(m: dict, layouts, names, received: dict, path) -> list:
+    """Pure, on a checker: the problems of the blocks of files `names`, from the hashes the
+    ranks sent it (rank -> route_hashes' payload); `path(entry)`: the file's path, for messages."""
+    hashed: dict = {}
+    for h in received.values():
+        for name, pieces in h.items():
+            hashed.setdefault(name, []).extend(pieces)
+    problems = []
+    for name in names:
+        entry = m["tensors"][name]
+        problems += checksums.check_blocks(path(entry), len(layouts[name].header), entry["file_size"],
+                                           entry["block_bytes"], entry["checksums"], hashed.get(name, []))
+    return problems
 
 
 def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> int:
@@ -140,22 +190,12 @@ def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> i
     from megatron_ucp.engine.collective import exchange_objects
 
     # Each file's hashes go to its checker only: a rank sends and receives what concerns its
-    # own reads and files, not the world's. A set: bytes a rank happens to read twice are
-    # hashed twice, and must count once.
-    routed: dict = {}
-    for name, h in hashes.items():
-        if h:
-            routed.setdefault(plan.checker[name], {})[name] = sorted(set(h))
-    received = exchange_objects(routed)
+    # own reads and files, not the world's.
+    received = exchange_objects(route_hashes(hashes, plan.checker))
 
     def check():
-        problems = []
-        for name in plan.checks:
-            entry = m["tensors"][name]
-            hashed = [p for h in received.values() for p in h.get(name, ())]
-            problems += checksums.check_blocks(safe_files.safe_join(root, entry["file"]),
-                                               len(layouts[name].header), entry["file_size"],
-                                               entry["block_bytes"], entry["checksums"], hashed)
+        problems = hash_problems(m, layouts, plan.checks, received,
+                                 lambda entry: safe_files.safe_join(root, entry["file"]))
         if problems:
             raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
 

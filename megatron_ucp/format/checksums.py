@@ -183,9 +183,13 @@ def plan_hashes(files: Dict[str, Tuple[int, int, int]], spans: Dict[int, Dict[st
 
     out: Dict[int, dict] = {}
     unread = []
+    readers: Dict[str, Dict[int, list]] = {}  # the readers of each file (rank -> its spans)
+    for rank, rank_spans in spans.items():
+        for name, s in rank_spans.items():
+            readers.setdefault(name, {})[rank] = s
     for name in sorted(files):
         base, end, block = files[name]
-        holders = {r: s[name] for r, s in spans.items() if name in s}
+        holders = readers.get(name, {})
         owned, rest = assign_pieces(holders, base, end, block)
         for rank, pieces in owned.items():
             if pieces:
