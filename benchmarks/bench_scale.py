@@ -1,4 +1,4 @@
-"""Save planning at scale, simulated: no processes, no tensors.
+"""Save and load planning at scale, simulated: no processes, no tensors.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_scale.py [--quick] [--json OUT]
 
@@ -9,24 +9,37 @@ from save._tensor_entries, as the real save makes them. The plan is then built w
 save's planner (plan.route_offers -> plan.plan_owned on each owner -> plan.finish_plan, rank 0's
 plan.file_creators): the three all-to-all exchanges of save._plan are made here by handing each
 pickled payload to its destination. Every rank of the world is simulated (no representative
-classes), each step timed on the rank that runs it. Reported per layout:
+classes), each step timed on the rank that runs it.
 
-- plan s/rank: the most any rank spends planning (its offers, its payloads pickled, the owner
-  work for the tensors it owns, its replies unpickled; rank 0's file assignment): the eight
-  slowest ranks of the pass, rank 0 and the rank that exchanges the most timed again alone,
-  best of three (the first pass's maximum and the median are printed too);
-- peak MiB/rank: tracemalloc peak of that work on the slowest rank, the rank receiving the most
-  and rank 0;
-- meta MiB/rank: bytes a rank sends plus receives over the three exchanges (pickled payloads,
-  plus the all-to-all's one length per rank each way), the most of any rank;
+The load of that checkpoint on the same layout (strict, verified, read policy "once") is then
+planned on every rank with the real load's own functions, its four all-to-alls made the same
+way: the manifest's names each rank owns (planner.names_by_owner) and the files' checkers
+(verify.file_checkers); the strict check (names_by_owner of the rank's tensors to their owners,
+planner.unclaimed on each owner); the read plan (reads.replica_needs, per replica group the
+agreed order, digest and fingerprints of replicas.agreed_split, replicas.split_needs,
+reads.take_shares); the hash plan (verify.read_spans and route_spans to the files' owners,
+verify.plan_owned_hashes on each owner, collect_hash_plan); after the load, each rank's hashes
+to the files' checkers (verify.route_hashes) and each checker's blocks combined
+(verify.hash_problems: recorded sums and hashed pieces are all zero, which crc32_combine keeps
+zero, so the combining is the real work and finds nothing). The replica groups' agreement is
+one all-reduce of replicas.AGREEMENT_BYTES; collective.agree (one int64 a call) is not counted.
+Reported per layout:
+
+- plan s/rank (save), load s/rank: the most any rank spends planning (its payloads pickled, the
+  owner work for the tensors or files it owns, its replies unpickled; for the save rank 0's file
+  assignment): the eight slowest ranks of the pass, rank 0 and the rank that exchanges the
+  most timed again alone, best of three (the first pass's maximum and the median are printed
+  too);
+- peak MiB/rank: tracemalloc peak of that work on the slowest rank, the rank exchanging the
+  most and rank 0 (the load's without the manifest, whose size is its own figure);
+- meta MiB/rank: bytes a rank sends plus receives over the exchanges (pickled payloads, plus
+  the all-to-all's one length per rank each way), the most of any rank;
 - written max/mean: bytes each rank writes (fp32 master weight and two Adam moments);
 - files, their sizes, the manifest's size and its parse time (json.loads, best of three);
-- read/ckpt: bytes read from storage per checkpoint byte by a load on the same layout: with the
-  read policy "per-rank" (each rank reads its whole TP-local weights and its fragment's
-  moments: reads.ranges), and with "once" (read_plan.split run for each replica group's
-  weights, one group per class: the groups of a class hold the same needs; the moments are
-  each rank's own). Each TP rank of a TP-replicated tensor (norms) and a tied copy read it
-  again: their own groups.
+- read/ckpt: bytes read from storage per checkpoint byte by the load: with the read policy
+  "per-rank" (each rank reads its whole TP-local weights and its fragment's moments:
+  reads.ranges), and with "once" (the simulated load's read plan: what each replica group
+  shares, reads.replica_class, read once and split over its members).
 
 and, per model, each figure's growth exponent from the smallest to the largest world (a
 least-squares fit of log(figure) over log(ranks); 1.0 is linear). With --baseline the old
@@ -53,8 +66,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ucp.format import manifest as mf  # noqa: E402
 from megatron_ucp.engine import plan as pl, planner  # noqa: E402
-from megatron_ucp.engine import read_plan  # noqa: E402
-from megatron_ucp.engine.read_plan import Need  # noqa: E402
+from megatron_ucp.engine import read_plan, replicas, verify  # noqa: E402
+from megatron_ucp.engine import reads as load_reads  # noqa: E402
+from megatron_ucp.format import checksums  # noqa: E402
 from megatron_ucp.mcore.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
 from megatron_ucp.engine.save import _tensor_entries  # noqa: E402
 
@@ -104,9 +118,12 @@ def rank_inputs(shape, par):
             classes[key] = (tensors, buffers(tensors, shape, par), _tensor_entries(tensors, STATES))
         tensors, bufs, entries = classes[key]
         mine = [t for t in tensors if t.stateless]
+        load = list(tensors)  # what the load fills: every tensor, with its fragment
         for buf in bufs:
-            mine += [dataclasses.replace(tensors[i], fragment=f) for i, f in shard(buf, c.edp if buf[4] else c.dp)]
-        yield rank, c, mine, entries, tensors
+            for i, f in shard(buf, c.edp if buf[4] else c.dp):
+                load[i] = dataclasses.replace(tensors[i], fragment=f)
+                mine.append(load[i])
+        yield rank, c, mine, entries, tensors, load
 
 
 def deliver(sent, clock, sizes, world, keep=False):
@@ -145,22 +162,19 @@ def simulate(shape, par, peaks=True):
 def _simulate(shape, par, peaks):
     world = par.world
     clock, meta = Clock(world), np.zeros(world)
-    routed, holds, param_read, moments = {}, {}, np.zeros(world), 0
-    once_read, seen = 0, set()
-    for rank, c, mine, entries, tensors in rank_inputs(shape, par):
-        # Read once: each replica group reads its shared weights once. The data-parallel group
-        # of (TP, PP) holds the dense ones, the expert data-parallel group of (PP, expert TP, EP)
-        # the experts.
-        for expert, key in ((False, (c.tp, c.pp)), (True, (c.pp, c.etp, c.ep))):
-            if (expert, key) not in seen:
-                seen.add((expert, key))
-                once_read += read_once_bytes(tensors, par, expert)
+    routed, holds, loads, groups = {}, {}, {}, defaultdict(list)
+    for rank, c, mine, entries, tensors, load in rank_inputs(shape, par):
         offers = clock.run(rank, lambda: [i for i, _, _ in pl.offer_items(mine, len(STATES), True, lambda t: t.numel)])
         routed[rank] = clock.run(rank, planner.route_offers, offers, entries, world)
         holds[rank] = (mine, entries)
-        # Today's load reads each whole TP-local weight and the fragment's two moments.
-        param_read[rank] = 4 * sum(t.numel for t in tensors)
-        moments += 8 * sum(t.fragment.stop - t.fragment.start for t in mine if t.fragment is not None)
+        loads[rank] = load
+        # The replica groups (replicas.replica_group): the data-parallel group of (TP, PP), the
+        # tensor-and-data-parallel group of PP, the tensor-parallel group of (PP, DP) and the
+        # expert data-parallel group of (PP, expert TP, EP).
+        groups[("data", c.tp, c.pp)].append(rank)
+        groups[("tensor+data", c.pp)].append(rank)
+        groups[("tensor", c.pp, c.dp)].append(rank)
+        groups[("expert", c.pp, c.etp, c.ep)].append(rank)
     at_owner = deliver(routed, clock, meta, world, keep=True)
     del routed
     inbox = {owner: {src: pickle.loads(b) for src, b in got.items()} for owner, got in at_owner.items()}
@@ -190,6 +204,8 @@ def _simulate(shape, par, peaks):
     assert abs(written.sum() - data) < 1, (written.sum(), data)  # every element once (owners checked coverage)
     manifest_bytes, parse_s = manifest_figures(entries, sizes)
     file_sizes = np.array(sorted(sizes.values()), dtype=np.float64)
+    del plans, back, at_owner, holds
+    loaded = simulate_load(par, loads, groups, entries, sizes, data, peaks)
     return {
         "ranks": world, "plan_s": max(again.values()), "plan_s_first_pass": float(clock.s.max()),
         "plan_s_median": float(np.median(clock.s)),
@@ -198,22 +214,167 @@ def _simulate(shape, par, peaks):
         "file_mib": {q: float(np.percentile(file_sizes, p) / 2**20) for q, p in
                      (("min", 0), ("p50", 50), ("p90", 90), ("max", 100))},
         "checkpoint_gib": float(data / 2**30), "manifest_mib": manifest_bytes / 2**20, "manifest_parse_s": parse_s,
-        "read_per_byte_today": float((param_read.sum() + moments) / data),
-        "read_per_byte_once": float((once_read + moments) / data),
+        **loaded,
     }
 
 
-def read_once_bytes(tensors, par, expert: bool):
-    """Storage bytes one replica group's shared weights cost under the read policy "once" (the
-    data-parallel group's dense weights, or the expert data-parallel group's experts):
-    read_plan.split, the load's own planner, cuts the needs into one run per member, and each
-    run is read once. Moments are each rank's own under the distributed optimizer."""
-    needs = [Need(t.name, "param", 0, t.numel) for t in tensors if t.expert == expert]
-    if not needs:
-        return 0
-    needs = [needs[i] for i in read_plan.order(needs)]
-    shares = read_plan.split(needs, par.expert_dp if expert else par.dp)
-    return 4 * sum(sh.stop - sh.start for sh in shares)
+def sim_manifest(entries, sizes):
+    """The manifest's tensor entries as the load reads them. Every block's recorded crc32 and
+    every hashed piece's are 0 (crc32_combine of zeros is zero): the checkers combine pieces
+    as they would real sums, and find no problem."""
+    tensors = {}
+    for name, e in entries.items():
+        base = len(mf.file_layout(e).header)
+        blocks = -(-(sizes[name] - base) // checksums.BLOCK_BYTES)
+        tensors[name] = dict(e, file_size=sizes[name], block_bytes=checksums.BLOCK_BYTES,
+                             checksums=["00000000"] * blocks)
+    return {"tensors": tensors}
+
+
+def sim_numel(t):
+    return t.numel
+
+
+def load_read_plan(tensors, member, tp, digests=None):
+    """reads.read_plan on one simulated rank, policy "once" (the groups span nodes): its
+    replica needs, and per replica class (replicas.CLASSES) replicas.agreed_split's pure steps
+    (the agreed order, the digest and the fingerprints the group all-reduces, the split), taken
+    into its plan by reads.take_shares. `member`: class -> (the group's ranks, this rank's
+    index); `digests`: group -> the members' digests (the caller checks that they agree, as the
+    all-reduce does)."""
+    reads, needs = load_reads.replica_needs(tensors, "once", True, tp, sim_numel)
+    plan = load_reads.ReadPlan(reads, [], [])
+    for kind in replicas.CLASSES:
+        if kind.startswith("tensor") and tp == 1:
+            continue  # as read_plan: no tensor-parallel replicas
+        ranks, me = member[kind]
+        pairs = needs[kind]
+        shares = None
+        if len(ranks) > 1:
+            agreed = read_plan.order([n for n, _ in pairs])
+            mine = replicas.digest([pairs[i][0] for i in agreed])
+            replicas.fingerprints([mine, "host"])
+            if digests is not None:
+                digests[(kind, ranks[0])].add(mine)
+            shares = replicas.split_needs([n for n, _ in pairs], len(ranks), agreed)
+        load_reads.take_shares(plan, pairs, shares, None, ranks, None, me, lambda *a: False)
+    return plan
+
+
+def sim_hashes(hp):
+    """What a rank hashed during and after the load (verify.check_hashes' `hashes`): each
+    inline piece and each piece after, with crc 0 (sim_manifest)."""
+    out = {}
+    for name, pieces in hp.inline.items():
+        out.setdefault(name, []).extend((lo, hi, 0) for lo, hi in pieces)
+    for name, lo, hi in hp.after:
+        out.setdefault(name, []).append((lo, hi, 0))
+    return out
+
+
+def route_sim_hashes(hp):
+    return verify.route_hashes(sim_hashes(hp), hp.checker)
+
+
+def no_problems(m, layouts, hp, received):
+    problems = verify.hash_problems(m, layouts, hp.checks, received, lambda e: e["file"])
+    if problems:
+        raise SystemExit(f"simulated load failed verification: {problems[:3]}")
+
+
+def simulate_load(par, loads, groups, entries, sizes, data, peaks):
+    """The load's planning on every rank of the world (the module docstring): a strict,
+    verified load, read policy "once"."""
+    world = par.world
+    clock, meta = Clock(world), np.zeros(world)
+    m = sim_manifest(entries, sizes)
+    member = defaultdict(dict)
+    for (kind, *_), ranks in groups.items():
+        for me, rank in enumerate(ranks):
+            member[rank][kind] = (ranks, me)
+    # What every rank computes alike from the manifest (the names it owns, the files' checkers):
+    # computed once here, its time charged to every rank.
+    start = time.perf_counter()
+    by_owner = planner.names_by_owner(m["tensors"], world)
+    checkers = verify.file_checkers(m["tensors"], world)
+    clock.s += time.perf_counter() - start
+    # The strict check: each rank's names to their owners, each owner's unclaimed names.
+    strict_in = deliver({r: clock.run(r, planner.names_by_owner, {t.name for t in loads[r]}, world)
+                         for r in range(world)}, clock, meta, world, keep=True)
+    for r in range(world):
+        told = [pickle.loads(b) for b in strict_in.get(r, {}).values()]
+        if clock.run(r, planner.unclaimed, by_owner.get(r, []), told):
+            raise SystemExit("simulated strict load: checkpoint tensors claimed by no rank")
+    # The read plan, then each rank's read spans to the files' owners.
+    digests = defaultdict(set)
+    spans, read_once = {}, 0
+    for r in range(world):
+        plan = clock.run(r, load_read_plan, loads[r], member[r], par.tp, digests)
+        read_once += 4 * sum(stop - start for reads in plan.reads for _, start, stop, _ in reads)
+        spans[r] = clock.run(r, lambda: verify.route_spans(
+            verify.read_spans(m, verify.Layouts(m["tensors"]), loads[r], plan), world))
+        meta[r] += sum(replicas.AGREEMENT_BYTES for kind, (ranks, _) in member[r].items()
+                       if len(ranks) > 1 and not (kind.startswith("tensor") and par.tp == 1))
+    if any(len(d) != 1 for d in digests.values()):
+        raise SystemExit("simulated load: replicas disagree on their needs")
+    spans_in = deliver(spans, clock, meta, world, keep=True)
+    del spans
+    replies = {r: clock.run(r, lambda: verify.plan_owned_hashes(
+        m, verify.Layouts(m["tensors"]), by_owner.get(r, []), {src: pickle.loads(b) for src, b in got.items()},
+        world, r)) for r, got in spans_in.items()}
+    replies_in = deliver(replies, clock, meta, world, keep=True)
+    del replies
+    # After the load: each file's hashes to its checker, each checker's blocks combined.
+    hash_plans, hashes = {}, {}
+    for r in range(world):
+        got = {src: pickle.loads(b) for src, b in replies_in.get(r, {}).items()}
+        hp = hash_plans[r] = clock.run(r, verify.collect_hash_plan, got, checkers, r)
+        hashes[r] = clock.run(r, route_sim_hashes, hp)
+    hashes_in = deliver(hashes, clock, meta, world, keep=True)
+    del hashes
+    for r in range(world):
+        received = {src: pickle.loads(b) for src, b in hashes_in.get(r, {}).items()}
+        clock.run(r, no_problems, m, verify.Layouts(m["tensors"]), hash_plans[r], received)
+    del hash_plans
+    read_per_rank = 4 * sum(stop - start for r in range(world) for t in loads[r]
+                            for _, start, stop in load_reads.ranges(t, sim_numel))
+    inputs = (world, par.tp, m, loads, member, strict_in, spans_in, replies_in, hashes_in)
+    slowest = [int(r) for r in np.argsort(-clock.s)[:8]]
+    picks = {slowest[0], int(np.argmax(meta)), 0}
+    again = retimed(sorted(set(slowest) | picks), *inputs, work=load_rank_work)
+    peak = peak_memory(picks, *inputs, work=load_rank_work) if peaks else float("nan")
+    return {"load_s": max(again.values()), "load_s_first_pass": float(clock.s.max()),
+            "load_s_median": float(np.median(clock.s)), "load_peak_mib": peak,
+            "load_meta_mib": float(meta.max() / 2**20), "load_meta_mib_median": float(np.median(meta) / 2**20),
+            "read_per_byte_today": read_per_rank / data, "read_per_byte_once": read_once / data}
+
+
+def load_rank_work(rank, world, tp, m, loads, member, strict_in, spans_in, replies_in, hashes_in):
+    """Everything rank `rank` does to plan a strict, verified load, from its inputs, as the real
+    load does it (load.load_universal, reads.read_plan, verify.hash_plan, verify.check_hashes):
+    the manifest's names it owns and the files' checkers, its names to their owners, the owner
+    check, its read plan, its spans to the files' owners, the hashing of the files it owns, its
+    hash plan, its hashes to their checkers, the blocks of its files combined."""
+    tensors = loads[rank]
+    owned = planner.names_by_owner(m["tensors"], world).get(rank, [])
+    checkers = verify.file_checkers(m["tensors"], world)
+    layouts = verify.Layouts(m["tensors"])
+    send(planner.names_by_owner({t.name for t in tensors}, world))
+    planner.unclaimed(owned, [pickle.loads(b) for b in strict_in.get(rank, {}).values()])
+    plan = load_read_plan(tensors, member[rank], tp)
+    send(verify.route_spans(verify.read_spans(m, layouts, tensors, plan), world))
+    told = {src: pickle.loads(b) for src, b in spans_in.get(rank, {}).items()}
+    send(verify.plan_owned_hashes(m, layouts, owned, told, world, rank))
+    hp = verify.collect_hash_plan({src: pickle.loads(b) for src, b in replies_in.get(rank, {}).items()},
+                                  checkers, rank)
+    send(route_sim_hashes(hp))
+    no_problems(m, layouts, hp, {src: pickle.loads(b) for src, b in hashes_in.get(rank, {}).items()})
+
+
+def send(payloads):
+    """Each payload pickled, as exchange_objects does."""
+    for obj in payloads.values():
+        pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
 def rank_work(rank, world, holds, at_owner, back, sizes):
@@ -230,27 +391,29 @@ def rank_work(rank, world, holds, at_owner, back, sizes):
         pickle.dumps(planner.file_creators(plan.entries, sizes, world), pickle.HIGHEST_PROTOCOL)
 
 
-def retimed(ranks, *inputs, repeats=3):
+def retimed(ranks, *inputs, repeats=3, work=None):
     """The slowest ranks' planning timed again, alone (best of `repeats`): a single pass on a
     shared machine charges other processes' time slices to whichever rank was running."""
+    work = work or rank_work
     out = {}
     for rank in ranks:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            rank_work(rank, *inputs)
+            work(rank, *inputs)
             best = min(best, time.perf_counter() - start)
         out[rank] = best
     return out
 
 
-def peak_memory(ranks, *inputs):
-    """tracemalloc peak of rank_work, the most over `ranks`."""
+def peak_memory(ranks, *inputs, work=None):
+    """tracemalloc peak of rank_work (or `work`), the most over `ranks`."""
+    work = work or rank_work
     out = 0
     for rank in ranks:
         gc.collect()
         tracemalloc.start()
-        rank_work(rank, *inputs)
+        work(rank, *inputs)
         out = max(out, tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     return out / 2**20
@@ -276,7 +439,7 @@ def manifest_figures(entries, sizes):
 def baseline(shape, par):
     """The old planner on one rank: every rank's offers and entries gathered, the whole plan."""
     gathered, bytes_in = [], 0
-    for rank, c, mine, entries, _ in rank_inputs(shape, par):
+    for rank, c, mine, entries, _, _ in rank_inputs(shape, par):
         offers = [i for i, _, _ in pl.offer_items(mine, len(STATES), True, lambda t: t.numel)]
         gathered.append((offers, entries))
     bytes_in = sum(len(pickle.dumps(g, pickle.HIGHEST_PROTOCOL)) for g in gathered)
@@ -311,8 +474,9 @@ def exponent(xs, ys):
 FIGURES = [("plan_s", "plan s/rank", "{:.3f}"), ("peak_mib", "peak MiB/rank", "{:.1f}"),
            ("meta_mib", "meta MiB/rank", "{:.3f}"), ("written_max_mean", "written max/mean", "{:.3f}"),
            ("files", "files", "{}"), ("manifest_mib", "manifest MiB", "{:.1f}"),
-           ("manifest_parse_s", "manifest parse s", "{:.3f}"), ("read_per_byte_today", "read/ckpt per-rank", "{:.1f}"),
-           ("read_per_byte_once", "read/ckpt once", "{:.3f}")]
+           ("manifest_parse_s", "manifest parse s", "{:.3f}"), ("load_s", "load plan s/rank", "{:.3f}"),
+           ("load_peak_mib", "load peak MiB/rank", "{:.1f}"), ("load_meta_mib", "load meta MiB/rank", "{:.3f}"),
+           ("read_per_byte_today", "read/ckpt per-rank", "{:.1f}"), ("read_per_byte_once", "read/ckpt once", "{:.3f}")]
 
 
 def main():
@@ -346,6 +510,9 @@ def main():
         print(f"{'plan s, 1st pass max':<20}" + "".join(f"{x['plan_s_first_pass']:>12.3f}" for x in rows))
         print(f"{'plan s/rank median':<20}" + "".join(f"{x['plan_s_median']:>12.4f}" for x in rows))
         print(f"{'meta MiB median':<20}" + "".join(f"{x['meta_mib_median']:>12.4f}" for x in rows))
+        print(f"{'load s, 1st pass max':<20}" + "".join(f"{x['load_s_first_pass']:>12.3f}" for x in rows))
+        print(f"{'load s/rank median':<20}" + "".join(f"{x['load_s_median']:>12.4f}" for x in rows))
+        print(f"{'load meta MiB median':<20}" + "".join(f"{x['load_meta_mib_median']:>12.4f}" for x in rows))
         if args.baseline:
             b = report["baseline"][model]
             print(f"old planner at {b['ranks']} ranks (every rank): plan {b['plan_s']:.2f} s, peak {b['peak_mib']:.0f} MiB, "

@@ -198,3 +198,25 @@ def test_hash_plan_gives_every_file_byte_one_rank(world, data):
         assert lo == at and lo < hi
         at = hi
     assert at == end
+
+
+@pytest.mark.parametrize("par", [dict(tp=2, pp=2, dp=2), dict(tp=1, pp=2, dp=4, ep=2)])
+def test_the_simulator_plans_a_small_worlds_save_and_load(par):
+    """benchmarks/bench_scale.py on a small model: the save and the load planned on every rank
+    with the real planners (the simulator stops on a plan error, an uncovered or unclaimed
+    tensor, replicas that disagree or a checker that finds a block not hashed exactly once),
+    the load reading each checkpoint byte once under read-once and once per replica per rank."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_scale
+    from megatron_ucp.mcore.model_shapes import ModelShape, Parallel
+
+    shape = ModelShape(num_layers=4, hidden=64, ffn=128, heads=4, kv_groups=2, vocab=1000,
+                       num_experts=4 if par.get("ep") else 0, moe_ffn=32 if par.get("ep") else None)
+    row = bench_scale.simulate(shape, Parallel(**par), peaks=False)
+    assert row["ranks"] == 8
+    assert abs(row["read_per_byte_once"] - 1) < 0.02  # the vocabulary's padding rows aside
+    assert row["read_per_byte_today"] > 1.3  # replicas each read their weights
+    assert row["load_s"] > 0 and row["load_meta_mib"] > 0 and row["meta_mib"] > 0

@@ -722,3 +722,23 @@ def test_start_writeback_leaves_the_bytes_and_needs_no_linux(tmp_path, monkeypat
     assert durability.start_writeback(str(path)) == (linux and sys.platform == "linux")
     durability.fsync_file(str(path))
     assert path.read_bytes() == payload
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 6)), max_size=40), st.integers(1, 4),
+       st.sampled_from([0, 8, 24]))
+def test_read_spans_are_the_preadvs_of_the_read(cuts, iov_max, min_bytes):
+    """read_spans (in arrays) names exactly the file ranges of _plan's groups (in a loop), the
+    groups cut at IOV_MAX runs, those of min_bytes or more."""
+    lay = _layout((100,))
+    runs, at = [], 0
+    for start, length in cuts:  # disjoint in the buffer, anywhere in the file (no overlap)
+        if all(start + length <= s or s + n <= start for s, _, n in runs) and start + length <= 100:
+            runs.append((start, at, length))
+            at += length + (start % 2)  # sometimes adjacent in the buffer too
+    with mock.patch.object(tensor_io, "IOV_MAX", iov_max):
+        groups = tensor_io._plan(runs, 0, 100, 1 << 62, False, "t")
+        isz, base = lay.itemsize("exp_avg"), lay.data_offset("exp_avg")
+        expected = [(base + fs * isz, base + (fs + sum(n for _, n in parts)) * isz) for fs, parts in groups]
+        assert tensor_io.read_spans(lay, "exp_avg", runs, min_bytes) == [
+            s for s in expected if s[1] - s[0] >= min_bytes]

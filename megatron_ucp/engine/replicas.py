@@ -75,16 +75,22 @@ def agreed_split(needs: List[Need], group, across_nodes_only: bool = False
     return split_needs(needs, len(ranks), agreed), ranks, None
 
 
-def _fingerprint(text: str) -> List[int]:
-    """Two non-negative 62-bit integers from `text` (negatable in int64)."""
-    raw = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    return [int.from_bytes(raw[:8], "little") >> 2, int.from_bytes(raw[8:], "little") >> 2]
+def fingerprints(texts: List[str]) -> List[int]:
+    """Pure: two non-negative 62-bit integers (negatable in int64) from each of `texts`."""
+    out = []
+    for text in texts:
+        raw = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        out += [int.from_bytes(raw[:8], "little") >> 2, int.from_bytes(raw[8:], "little") >> 2]
+    return out
+
+
+AGREEMENT_BYTES = 2 * 8 * 2 * 2  # what _all_equal all-reduces of two texts: fingerprints, negated
 
 
 def _all_equal(texts: List[str], group) -> List[bool]:
     """Collective over `group`: for each of `texts`, whether every member passed the same
     one (by 124-bit fingerprint): one all-reduce (max) of the fingerprints and their negations."""
-    values = [v for text in texts for v in _fingerprint(text)]
+    values = fingerprints(texts)
     t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     top, bottom = t[:len(values)].tolist(), [-v for v in t[len(values):].tolist()]

@@ -44,27 +44,29 @@ class HashPlan:
     checker: dict  # tensor name -> the rank that checks its blocks
 
 
-def file_checkers(entries: dict, world: int) -> list:
+def file_checkers(entries: dict, world: int):
     """Pure: each rank's share of the tensor files, by size (as file creation): the files whose
-    size and header it checks before the load and whose block hashes it checks after."""
+    size and header it checks before the load and whose block hashes it checks after. Returns
+    (rank -> its file names, file name -> its rank): the same on every rank."""
     from megatron_ucp.engine.plan import assign_files
 
-    return assign_files({name: int(e.get("file_size", 0)) for name, e in entries.items()}, world)
+    shares = assign_files({name: int(e.get("file_size", 0)) for name, e in entries.items()}, world)
+    return shares, {name: r for r, names in enumerate(shares) for name in names}
 
 
-def check_files(root: str, m: dict) -> list:
-    """Sizes, headers and recorded checksums of this rank's share of the tensor files
-    (file_checkers); returns every rank's share."""
+def check_files(root: str, m: dict):
+    """Sizes, headers and recorded checksums of this rank's share of the tensor files; returns
+    file_checkers."""
     from megatron_ucp.format.inspection import check_file
 
-    shares = file_checkers(m["tensors"], dist.get_world_size())
+    shares, checker = file_checkers(m["tensors"], dist.get_world_size())
     mine = shares[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
     found = tensor_io.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
     problems = [p for file_problems in found for p in file_problems]
     if problems:
         raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
-    return shares
+    return shares, checker
 
 
 def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
@@ -86,8 +88,7 @@ def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
         layout = layouts[t.name]
         for state, start, stop, _ in reads:
             for name, runs in file_runs(entry, t, state, start, stop)[0]:
-                out.setdefault(t.name, []).extend(
-                    s for s in tensor_io.read_spans(layout, name, runs) if s[1] - s[0] >= shortest)
+                out.setdefault(t.name, []).extend(tensor_io.read_spans(layout, name, runs, shortest))
     return out
 
 
@@ -112,14 +113,14 @@ def plan_owned_hashes(m: dict, layouts, owned, told: dict, world: int, rank: int
     return plan_hashes(files, told, world, rank)
 
 
-def collect_hash_plan(replies: dict, shares: list, rank: int) -> HashPlan:
+def collect_hash_plan(replies: dict, checkers, rank: int) -> HashPlan:
     """Pure: the owners' replies (owner -> plan_owned_hashes' share for this rank) as this
-    rank's HashPlan; `shares`: file_checkers."""
+    rank's HashPlan; `checkers`: file_checkers."""
+    shares, checker = checkers
     inline, after = {}, []
     for owner in sorted(replies):
         inline.update(replies[owner]["inline"])
         after += replies[owner]["after"]
-    checker = {name: r for r, names in enumerate(shares) for name in names}
     return HashPlan(inline, after, shares[rank], checker)
 
 
@@ -133,12 +134,12 @@ def hash_plan(root: str, m: dict, layouts, tensors, reading: ReadPlan, owned) ->
     sends and receives what concerns its own reads and files, not the world's."""
     from megatron_ucp.engine.collective import exchange_objects
 
-    shares = run_everywhere(check_files, root, m)
+    checkers = run_everywhere(check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
     spans = run_everywhere(read_spans, m, layouts, tensors, reading)
     told = exchange_objects(route_spans(spans, world))
     mine = exchange_objects(run_everywhere(plan_owned_hashes, m, layouts, owned, told, world, rank))
-    return collect_hash_plan(mine, shares, rank)
+    return collect_hash_plan(mine, checkers, rank)
 
 
 def route_hashes(hashes: dict, checker: dict) -> dict:

@@ -57,18 +57,15 @@ def in_parallel(fn, jobs, threads: int | None = None) -> list:
         return list(pool.map(fn, jobs))
 
 
-def _plan(runs, file_col: int, file_numel: int, buf_numel: int, dest_is_file: bool, where: str):
-    """Validate runs and group them for vectored I/O.
-
-    Returns [(file_elem_start, [(buf_elem_start, length), ...])]: each group is contiguous in the
-    file (one pwritev/preadv), with runs adjacent in both file and buffer already merged.
-    """
+def _merged(runs, file_col: int, file_numel: int, buf_numel: int, dest_is_file: bool, where: str):
+    """Runs validated, in file order, those adjacent in both file and buffer merged: (lengths,
+    file starts, buffer starts) as arrays; None for no runs."""
     try:
         r = np.asarray(runs, dtype=np.int64)
     except (TypeError, ValueError, OverflowError) as e:
         raise LayoutError(f"{where}: runs must be integer (start, start, length) triples: {e}") from None
     if r.size == 0:
-        return []
+        return None
     if r.ndim != 2 or r.shape[1] != 3:
         raise LayoutError(f"{where}: runs must be (start, start, length) triples, got shape {r.shape}")
     f, b, n = r[:, file_col], r[:, 1 - file_col], r[:, 2]
@@ -80,7 +77,7 @@ def _plan(runs, file_col: int, file_numel: int, buf_numel: int, dest_is_file: bo
     keep = n > 0
     f, b, n = f[keep], b[keep], n[keep]
     if not len(n):
-        return []
+        return None
     dest = f if dest_is_file else b
     order = np.argsort(dest, kind="stable")
     ds, ns = dest[order], n[order]
@@ -93,7 +90,19 @@ def _plan(runs, file_col: int, file_numel: int, buf_numel: int, dest_is_file: bo
     f, b, n = f[order], b[order], n[order]
     both = (f[1:] == f[:-1] + n[:-1]) & (b[1:] == b[:-1] + n[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~both)))
-    n, f, b = np.add.reduceat(n, starts), f[starts], b[starts]
+    return np.add.reduceat(n, starts), f[starts], b[starts]
+
+
+def _plan(runs, file_col: int, file_numel: int, buf_numel: int, dest_is_file: bool, where: str):
+    """Validate runs and group them for vectored I/O.
+
+    Returns [(file_elem_start, [(buf_elem_start, length), ...])]: each group is contiguous in the
+    file (one pwritev/preadv), with runs adjacent in both file and buffer already merged.
+    """
+    merged = _merged(runs, file_col, file_numel, buf_numel, dest_is_file, where)
+    if merged is None:
+        return []
+    n, f, b = merged
     groups = []  # [file_start, file_length, parts]
     for fs, bs, ln in zip(f.tolist(), b.tolist(), n.tolist()):
         g = groups[-1] if groups else None
@@ -174,11 +183,23 @@ def _write_mapped(fd: int, raw: memoryview, isz: int, base: int, groups) -> int:
     return total
 
 
-def read_spans(layout: TensorFileLayout, name: str, runs) -> list[tuple[int, int]]:
-    """The file byte ranges [lo, hi) that read_runs(..., runs, ...) reads, one per preadv."""
-    groups = _plan(runs, 0, layout.numel(name), 1 << 62, False, f"tensor {name!r}")
+def read_spans(layout: TensorFileLayout, name: str, runs, min_bytes: int = 0) -> list[tuple[int, int]]:
+    """The file byte ranges [lo, hi) that read_runs(..., runs, ...) reads, one per preadv (the
+    groups of _plan: runs contiguous in the file, at most IOV_MAX each), those of `min_bytes`
+    or more. In arrays: a TP rank's column slice is a run per row, thousands per tensor."""
+    merged = _merged(runs, 0, layout.numel(name), 1 << 62, False, f"tensor {name!r}")
+    if merged is None:
+        return []
+    n, f, _ = merged
+    contiguous = f[1:] == f[:-1] + n[:-1]
+    segment = np.cumsum(np.concatenate(([1], ~contiguous))) - 1  # file-contiguous stretch of each run
+    first = np.flatnonzero(np.concatenate(([True], ~contiguous)))
+    starts = np.flatnonzero((np.arange(len(n)) - first[segment]) % IOV_MAX == 0)  # each group's first run
+    lasts = np.concatenate((starts[1:], [len(n)])) - 1
     isz, base = layout.itemsize(name), layout.data_offset(name)
-    return [(base + fs * isz, base + (fs + sum(ln for _, ln in parts)) * isz) for fs, parts in groups]
+    lo, hi = base + f[starts] * isz, base + (f[lasts] + n[lasts]) * isz
+    keep = hi - lo >= min_bytes
+    return list(zip(lo[keep].tolist(), hi[keep].tolist()))
 
 
 def _crc_views(views: list, lo: int, hi: int) -> int:
