@@ -23,21 +23,29 @@ def agree(error: Optional[BaseException], group=None) -> None:
     """A barrier that also raises, on every rank, the first rank's error (if any rank failed).
 
     The failing rank re-raises its own exception; the others raise the same class of
-    megatron-ucp error (UCPError for anything else) naming that rank, so no rank is left waiting
-    in a later collective.
+    megatron-ucp error (UCPError for anything else) naming that rank (its rank in `group`), so
+    no rank is left waiting in a later collective.
+
+    Bytes per rank: one int64 all-reduced (the lowest failing rank, or the group's size when
+    none failed), whatever the group's size; only when a rank failed does the first of them
+    broadcast its (error class, message), pickled (one int64 length, then its bytes).
     """
-    errors = [None] * dist.get_world_size()
-    report = None if error is None else (type(error).__name__, str(error))
-    dist.all_gather_object(errors, report, group=group)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if not failed:
+    device = group_device(group)
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    first = torch.tensor([size if error is None else me], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    first = int(first.item())
+    if first == size:
         return
+    report = [(type(error).__name__, str(error)) if me == first else None]
+    src = first if group is None else dist.get_global_rank(group, first)  # broadcast's src is global
+    dist.broadcast_object_list(report, src=src, group=group, device=device)
     if error is None:
-        rank, (kind, message) = failed[0]
+        kind, message = report[0]
         cls = getattr(errors_module, kind, None)
         if not (isinstance(cls, type) and issubclass(cls, UCPError)):
             cls, message = UCPError, f"{kind}: {message}"
-        error = cls(f"{message} (raised on rank {rank})")
+        error = cls(f"{message} (raised on rank {first})")
     error.agreed = True  # raised on every rank: entry points print it once (errors.report)
     raise error
 
