@@ -50,6 +50,12 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
     """Run `steps` in one torchrun group of `nproc` CPU processes; return {name: result}.
     `python`: the interpreter (and so the megatron-core) the group runs with."""
     workdir.mkdir(parents=True, exist_ok=True)
+    # UCP_TEST_READ_POLICY=once: every load of the suite reads once over its replica groups
+    # (the default, auto, reads per rank on this one node), but where a step names a policy.
+    policy = os.environ.get("UCP_TEST_READ_POLICY")
+    if policy:
+        steps = [dict(s, argv=s["argv"] + ["--ckpt-read-policy", policy])
+                 if "argv" in s and "--ckpt-read-policy" not in s["argv"] else s for s in steps]
     spec, result = workdir / "spec.json", workdir / "result.json"
     spec.write_text(json.dumps({"steps": steps}))
     # Every read of these small models is shorter than the inline-hashing threshold: at 1 byte,
