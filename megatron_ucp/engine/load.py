@@ -2,9 +2,10 @@
 
 For every local parameter: the whole TP-local slice of the fp32 master weight (the model needs
 all of it), and only the distributed-optimizer fragment of the Adam moments. With the read
-policy "once", what data-parallel replicas all hold (weights; moments too without the
-distributed optimizer) is read from storage once per replica group, each member reading a share
-and broadcasting it to the others (read_plan.py, replicas.py); with "per-rank" each rank reads
+policy "once", what replicas all hold (over data parallelism, and over tensor parallelism for
+tensors every TP rank holds whole: reads.replica_class) is read from storage once per replica
+group, each member reading a share and broadcasting it to the others (reads.py, read_plan.py,
+replicas.py); with "per-rank" each rank reads
 everything it holds; "auto" (the default) reads once where a replica group spans nodes, per
 rank where it runs on one node, whose page cache already serves the replicas one read. The step
 count, scheduler, iteration and consumed samples are global; RNG is restored on the same layout
@@ -17,9 +18,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_ucp.engine.collective import run_everywhere
-from megatron_ucp.engine.planner import names_by_owner
+from megatron_ucp.engine.collective import exchange_objects, run_everywhere
+from megatron_ucp.engine.planner import names_by_owner, unclaimed
 from megatron_ucp.engine.reads import exchange, read_plan, read_tensors
+from megatron_ucp.engine.save import current_layout
 from megatron_ucp.engine.verify import Layouts, check_hashes, check_headers, hash_plan
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.format import manifest as mf, tensor_io
@@ -63,9 +65,6 @@ def _check_tensors(m: dict, tensors, path: str, strict: bool, owned=()) -> None:
         # Each checkpoint tensor is checked by its owner (planner.owner_of; `owned`: this
         # rank's), told by the ranks that hold it: a rank sends and receives names of its own
         # share, not the world's.
-        from megatron_ucp.engine.collective import exchange_objects
-        from megatron_ucp.engine.planner import unclaimed
-
         told = exchange_objects(names_by_owner(wanted, dist.get_world_size()))
 
         def check():
@@ -103,7 +102,6 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     """The manifest checked as a whole, and this rank's RNG state read, before any tensor is."""
     m = mf.read_manifest(root)
     path = os.path.join(root, mf.MANIFEST)
-    from megatron_ucp.engine.save import current_layout
 
     if m["iteration"] != iteration:
         raise FormatError(f"{path}: 'iteration' is {m['iteration']}, expected {iteration} "

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_ucp import settings
-from megatron_ucp.engine.collective import run_everywhere
+from megatron_ucp.engine.collective import exchange_objects, run_everywhere
+from megatron_ucp.engine.plan import assign_files
+from megatron_ucp.engine.planner import owner_of
 from megatron_ucp.engine.reads import ReadPlan, file_runs
 from megatron_ucp.errors import IntegrityError
 from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_io
+from megatron_ucp.format.inspection import check_file, check_header
 
 
 def inline_hash_bytes() -> int:
@@ -48,8 +51,6 @@ def file_checkers(entries: dict, world: int):
     """Pure: each rank's share of the tensor files, by size (as file creation): the files whose
     size and header it checks before the load and whose block hashes it checks after. Returns
     (rank -> its file names, file name -> its rank): the same on every rank."""
-    from megatron_ucp.engine.plan import assign_files
-
     shares = assign_files({name: int(e.get("file_size", 0)) for name, e in entries.items()}, world)
     return shares, {name: r for r, names in enumerate(shares) for name in names}
 
@@ -57,8 +58,6 @@ def file_checkers(entries: dict, world: int):
 def check_files(root: str, m: dict):
     """Sizes, headers and recorded checksums of this rank's share of the tensor files; returns
     file_checkers."""
-    from megatron_ucp.format.inspection import check_file
-
     shares, checker = file_checkers(m["tensors"], dist.get_world_size())
     mine = shares[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
@@ -73,8 +72,6 @@ def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
     """Without verification, the header of each file this rank reads (a few KB) is still
     checked against the manifest: the reads take their offsets from the manifest's layout, so a
     valid file with a longer header would be misread silently. Also refuses FIFOs and devices."""
-    from megatron_ucp.format.inspection import check_header
-
     names = sorted({t.name for t, reads in zip(tensors, plan.reads) if reads})
     tensor_io.in_parallel(lambda name: check_header(root, name, m["tensors"][name]), names)
 
@@ -95,8 +92,6 @@ def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
 def route_spans(spans: dict, world: int) -> dict:
     """Pure: what this rank tells each file's owner (planner.owner_of): owner -> {tensor name:
     the spans this rank reads of its file}."""
-    from megatron_ucp.engine.planner import owner_of
-
     routed: dict = {}
     for name, s in spans.items():
         routed.setdefault(owner_of(name, world), {})[name] = s
@@ -106,11 +101,9 @@ def route_spans(spans: dict, world: int) -> dict:
 def plan_owned_hashes(m: dict, layouts, owned, told: dict, world: int, rank: int) -> dict:
     """Pure, on an owner: who hashes each byte of the files it owns (`owned`: their names),
     from the spans the ranks told it (rank -> route_spans' payload): rank -> its share."""
-    from megatron_ucp.format.checksums import plan_hashes
-
     files = {name: (len(layouts[name].header), m["tensors"][name]["file_size"], m["tensors"][name]["block_bytes"])
              for name in owned}
-    return plan_hashes(files, told, world, rank)
+    return checksums.plan_hashes(files, told, world, rank)
 
 
 def collect_hash_plan(replies: dict, checkers, rank: int) -> HashPlan:
@@ -132,8 +125,6 @@ def hash_plan(root: str, m: dict, layouts, tensors, reading: ReadPlan, owned) ->
 
     Each file's hashing is planned by its owner, from the spans its readers send it: a rank
     sends and receives what concerns its own reads and files, not the world's."""
-    from megatron_ucp.engine.collective import exchange_objects
-
     checkers = run_everywhere(check_files, root, m)
     rank, world = dist.get_rank(), dist.get_world_size()
     spans = run_everywhere(read_spans, m, layouts, tensors, reading)
@@ -188,8 +179,6 @@ def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> i
         return sum(hi - lo for _, lo, hi in todo)
 
     rehashed = run_everywhere(hash_rest)
-    from megatron_ucp.engine.collective import exchange_objects
-
     # Each file's hashes go to its checker only: a rank sends and receives what concerns its
     # own reads and files, not the world's.
     received = exchange_objects(route_hashes(hashes, plan.checker))
