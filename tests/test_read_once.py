@@ -31,6 +31,9 @@ BF16 = ["--bf16"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TENSOR = "decoder.layers.1.mlp.linear_fc1.weight"
+TIED_TENSOR = "embedding.word_embeddings.weight"  # the test GPT ties its output layer to it
+TIED = {"pp2dp2": PP2 + DIST, "pp2dp2_nodist": PP2, "pp2dp2_bf16": PP2 + DIST + BF16,
+        "pp4": ["--pipeline-model-parallel-size", "4"] + DIST, "tp2pp2": TP2PP2 + DIST}
 POLICIES = ("once", "per-rank")  # and "auto": once across nodes, per rank within one
 
 
@@ -129,11 +132,26 @@ def w4(work):
                   {"name": f"load_{fault}", "op": "load_expecting_error", "fatal": False,
                    "argv": train_step("", DIST + _policy("once") + extra, iters=N)["argv"]
                    + ["--load", d(f"F_{fault}")]}]
-    # TP2xDP2 (partial rows, TP-replicated tensors; with and without the distributed optimizer) and
-    # PP2xDP2 (the tied output layer's copy).
+    # TP2xDP2 (partial rows, TP-replicated tensors; with and without the distributed optimizer);
+    # the tied output layer's copy on the last stage: PP2xDP2 (with and without the distributed
+    # optimizer, whose moments' fragments differ between the stages; bf16), PP4 (two stages
+    # between, no data parallelism), TP2xPP2.
     steps += [roundtrip_step("r_tp2dp2", TP2 + DIST + _policy("once"), d("A"), K, d("R_tp2dp2"), iters=N),
-              roundtrip_step("r_tp2dp2_nodist", TP2 + _policy("once"), d("A"), K, d("R_tp2dp2_nodist"), iters=N),
-              roundtrip_step("r_pp2dp2", PP2 + DIST + _policy("once"), d("A"), K, d("R_pp2dp2"), iters=N)]
+              roundtrip_step("r_tp2dp2_nodist", TP2 + _policy("once"), d("A"), K, d("R_tp2dp2_nodist"), iters=N)]
+    for case, extra in TIED.items():
+        steps.append(roundtrip_step(f"r_{case}", extra + _policy("once"), d("A"), K, d(f"R_{case}"), iters=N))
+    # "auto" on PP2xDP2: the tied copy is read again on one node, sent across (pretended) nodes.
+    steps += [roundtrip_step("r_pp2dp2_per-rank", PP2 + DIST + _policy("per-rank"), d("A"), K, d("R_pp2_pr"), iters=N),
+              roundtrip_step("r_pp2_auto", PP2 + DIST + _policy("auto"), d("A"), K, d("R_pp2_auto"), iters=N),
+              dict(roundtrip_step("r_pp2_auto_nodes", PP2 + DIST + _policy("auto"), d("A"), K, d("R_pp2_nodes"),
+                                  iters=N), ranks_per_node=2)]
+    # A damaged byte, or a cut file, of the tied tensor, which only the first stage reads: every rank raises.
+    for fault, action, extra in (("flip", "flip", []), ("cut", "truncate", ["--no-verify-checkpoint"])):
+        steps += [{"name": f"corrupt_tied_{fault}", "op": "corrupt_copy", "src": d("A"), "dst": d(f"T_{fault}"),
+                   "tensor": TIED_TENSOR, "action": action, "fraction": 1 / 3},
+                  {"name": f"load_tied_{fault}", "op": "load_expecting_error", "fatal": False,
+                   "argv": train_step("", PP2 + DIST + _policy("once") + extra, iters=N)["argv"]
+                   + ["--load", d(f"T_{fault}")]}]
     # "auto": per rank on this one node; once where the group spans (pretended) nodes of 2 ranks.
     steps += [roundtrip_step("r_auto", DIST + _policy("auto"), d("A"), K, d("R_auto"), iters=N),
               dict(roundtrip_step("r_auto_nodes", DIST + _policy("auto"), d("A"), K, d("R_auto_nodes"), iters=N),
@@ -216,10 +234,9 @@ def test_auto_reads_once_only_where_a_replica_group_spans_nodes(w4, work):
         assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_once" / f"iter_{K:07d}")
 
 
-def test_tp_replicated_tensors_are_read_once_and_the_tied_copy_again(w4, work):
+def test_tp_replicated_tensors_are_read_once(w4, work):
     """Tensors every TP rank holds whole are read once per job too (their replica group is
-    data x tensor parallel); the tied output layer's copy on the last stage is read again
-    (docs/design.md, "Read once"). Exactly that, and the same state."""
+    data x tensor parallel), and the state is the per-rank policy's."""
     source = work / "A" / f"iter_{K:07d}"
     data = _tensor_bytes(source)
     assert _tensor_bytes(source, _tp_replicated) > 0
@@ -227,10 +244,110 @@ def test_tp_replicated_tensors_are_read_once_and_the_tied_copy_again(w4, work):
         tp2 = ok(w4, case)["per_rank"]
         assert sum(r["read"] for r in tp2) == data and not any(r["notes"] for r in tp2), case
     assert_same_state(work / "R_tp2dp2_nodist" / f"iter_{K:07d}", work / "R_nodist_per-rank" / f"iter_{K:07d}")
-    pp2 = sum(r["read"] for r in ok(w4, "r_pp2dp2")["per_rank"])
-    assert pp2 == data + _tensor_bytes(source, lambda n: n == "embedding.word_embeddings.weight")
-    for name in ("R_tp2dp2", "R_pp2dp2"):
-        assert_same_state(work / name / f"iter_{K:07d}", work / "R_dp4_per-rank" / f"iter_{K:07d}")
+    assert_same_state(work / "R_tp2dp2" / f"iter_{K:07d}", work / "R_dp4_per-rank" / f"iter_{K:07d}")
+
+
+@pytest.mark.parametrize("case", sorted(TIED))
+def test_the_tied_copy_comes_from_the_first_stage(w4, work, case):
+    """The last stage's copy of the tied word embeddings is not read again: the first stage
+    sends it (tied.py). Every byte read once, and the state the per-rank policy loads."""
+    data = _tensor_bytes(work / "A" / f"iter_{K:07d}")
+    per_rank = ok(w4, f"r_{case}")["per_rank"]
+    assert sum(r["read"] for r in per_rank) == data and not any(r["notes"] for r in per_rank)
+    assert per_rank[-1]["exchanged"] > 0  # the last stage's last rank received its copy
+    assert [r["hashed_after"] for r in per_rank] == [0] * 4
+    reference = "R_nodist_per-rank" if case.endswith("nodist") else "R_dp4_per-rank"
+    assert_same_state(work / f"R_{case}" / f"iter_{K:07d}", work / reference / f"iter_{K:07d}")
+
+
+@pytest.mark.parametrize("fault,words", [("flip", ["IntegrityError", "block"]), ("cut", ["IntegrityError", "truncated"])])
+def test_a_fault_in_the_tied_tensor_is_an_error_on_every_rank(w4, fault, words):
+    raised = ok(w4, f"load_tied_{fault}").get("raised")
+    assert raised is not None and len(raised) == 4, ok(w4, f"load_tied_{fault}")
+    for message in raised:
+        for word in words + [f"{TIED_TENSOR}.safetensors"]:
+            assert word in message, message
+
+
+def test_auto_sends_the_tied_copy_only_across_nodes(w4, work):
+    one_node, per_rank = ok(w4, "r_pp2_auto")["per_rank"], ok(w4, "r_pp2dp2_per-rank")["per_rank"]
+    assert [r["read"] for r in one_node] == [r["read"] for r in per_rank]
+    assert all(r["exchanged"] == 0 for r in one_node)
+    two_nodes = ok(w4, "r_pp2_auto_nodes")["per_rank"]  # stages on two nodes, each DP group on one
+    tied = _tensor_bytes(work / "A" / f"iter_{K:07d}", lambda n: n == TIED_TENSOR)
+    # Per rank, each of the 4 ranks reads the tied weights, each stage's 2 the moments once
+    # between them: 4 + 2 * 2 thirds of its file (weights, two moments). Sent, once: 3 thirds.
+    assert sum(r["read"] for r in two_nodes) == sum(r["read"] for r in per_rank) - tied * (8 - 3) // 3
+    assert all(r["exchanged"] > 0 for r in two_nodes[2:])
+    for name in ("R_pp2_auto", "R_pp2_nodes"):
+        assert_same_state(work / name / f"iter_{K:07d}", work / "R_pp2_pr" / f"iter_{K:07d}")
+
+
+def _member(rank, held, dp=(0, 2)):
+    from megatron_ucp.engine.tied import Held, Member
+
+    return Member(rank, dp[0], dp[1], {name: Held(*h) for name, h in held.items()})
+
+
+def test_a_pair_exchanges_only_what_it_holds_as_writer_and_copy_alike():
+    from megatron_ucp.engine.tied import tied_names
+
+    emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+    first = _member(0, {emb: ("boxes", True, (0, 8)), "decoder.layers.0.x": ("b", True, None)})
+    last = _member(2, {emb: ("boxes", False, (4, 16)), out + "x": ("b", True, None)})
+    assert tied_names([first, last]) == ([emb], None)
+    assert tied_names([last, first]) == ([emb], None)
+    assert tied_names([first, _member(2, {out: ("b", True, None)})]) == ([], None)  # untied
+    assert tied_names([first]) == ([], None)  # no pipeline parallelism
+    names, why = tied_names([first, _member(2, {emb: ("other boxes", False, None)})])
+    assert names == [] and "other parts" in why and "ranks 0 and 2" in why
+    names, why = tied_names([_member(0, {}), last])
+    assert names == [] and "writer and copy" in why
+    names, why = tied_names([first, _member(2, {emb: ("boxes", False, None)}, dp=(1, 2))])
+    assert names == [] and "members 0 and 1" in why
+
+
+def _partition(cuts, total):
+    bounds = [0] + sorted(cuts) + [total]
+    return [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 200), st.lists(st.integers(0, 200), max_size=6), st.lists(st.integers(0, 200), max_size=6))
+def test_each_moment_element_of_the_copies_comes_once_from_the_fragment_that_holds_it(total, a, b):
+    from megatron_ucp.engine.tied import moment_transfers
+
+    sources = [(10 + k, lo, hi) for k, (lo, hi) in enumerate(_partition([min(c, total) for c in a], total))]
+    sinks = [(20 + k, lo, hi) for k, (lo, hi) in enumerate(_partition([min(c, total) for c in b], total))]
+    transfers = moment_transfers(sources, sinks)
+    for dst, lo, hi in sinks:
+        mine = sorted((start, stop, src) for src, d, start, stop in transfers if d == dst)
+        assert [(s, e) for s, e, _ in mine] == [(s, e) for s, e, _ in mine if s < e]
+        pos = lo
+        for start, stop, src in mine:  # they tile the sink's range, each from the source holding it
+            assert start == pos and any(r == src and a <= start and stop <= b for r, a, b in sources)
+            pos = stop
+        assert pos == hi
+    with pytest.raises(LayoutError):
+        moment_transfers([(0, 0, 5)], [(1, 3, 8)])
+
+
+def test_both_ends_of_a_transfer_plan_it_alike():
+    from types import SimpleNamespace
+
+    from megatron_ucp.engine.tied import plan_transfers
+
+    emb = "embedding.word_embeddings.weight"
+    pairs = [((0, {emb: (0, 6)}), (4, {emb: (0, 10)})), ((1, {emb: (6, 12)}), (5, {emb: (10, 12)}))]
+    tensors = [SimpleNamespace(name="x"), SimpleNamespace(name=emb)]
+    sends = plan_transfers([emb], pairs, tensors, 1)
+    receives = plan_transfers([emb], pairs, tensors, 4)
+    assert sends == [(4, True, 1, "exp_avg", 6, 10), (4, True, 1, "exp_avg_sq", 6, 10),
+                     (5, True, 1, "exp_avg", 10, 12), (5, True, 1, "exp_avg_sq", 10, 12)]
+    assert receives == [(0, False, 1, "exp_avg", 0, 6), (0, False, 1, "exp_avg_sq", 0, 6),
+                        (1, False, 1, "exp_avg", 6, 10), (1, False, 1, "exp_avg_sq", 6, 10)]
+    assert [(s, a, b) for p, _, _, s, a, b in receives if p == 1] == \
+        [(s, a, b) for p, _, _, s, a, b in sends if p == 4]  # rank 1 -> 4, posted in one order
 
 
 def test_replica_class_follows_what_each_rank_holds():

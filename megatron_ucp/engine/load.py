@@ -5,7 +5,8 @@ all of it), and only the distributed-optimizer fragment of the Adam moments. Wit
 policy "once", what replicas all hold (over data parallelism, and over tensor parallelism for
 tensors every TP rank holds whole: reads.replica_class) is read from storage once per replica
 group, each member reading a share and broadcasting it to the others (reads.py, read_plan.py,
-replicas.py); with "per-rank" each rank reads
+replicas.py), and the tied output layer's copy on the last pipeline stage is sent by the first
+stage (tied.py); with "per-rank" each rank reads
 everything it holds; "auto" (the default) reads once where a replica group spans nodes, per
 rank where it runs on one node, whose page cache already serves the replicas one read. The step
 count, scheduler, iteration and consumed samples are global; RNG is restored on the same layout

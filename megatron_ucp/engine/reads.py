@@ -3,16 +3,17 @@ tensor holds, the reads that fill them from the tensor files (in place where the
 and, under read-once, the shares each replica-group member reads and broadcasts to the others
 (read_plan.py, replicas.py)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ucp.engine import replicas
-from megatron_ucp.engine.collective import group_device, run_everywhere
-from megatron_ucp.engine.read_plan import Need
+from megatron_ucp.engine import replicas, tied as tied_exchange
+from megatron_ucp.engine.collective import all_true, group_device, run_everywhere
+from megatron_ucp.engine.read_plan import Need, Share
+from megatron_ucp.engine.tied import TiedPlan
 from megatron_ucp.format import host_memory, manifest as mf, safe_files, tensor_io
 from megatron_ucp.format.layout import fragment_regions, padding_shape, region_runs
 
@@ -99,6 +100,8 @@ class ReadPlan:
     # start, stop) of the share
     exchanges: list
     notes: list  # why a replica group reads per rank
+    tied: Optional[TiedPlan] = None  # the tied output layer's copy, from the first stage (tied.py)
+    partner: list = field(default_factory=list)  # [(key, share)] sent over the embedding group first
 
 
 def replica_class(t, state: str, tensor_parallel_size: int, distributed_moments: bool) -> Optional[str]:
@@ -118,16 +121,24 @@ def replica_class(t, state: str, tensor_parallel_size: int, distributed_moments:
     return "tensor+data" if whole else "data"
 
 
+def geometry(t) -> str:
+    """What members of a replica group compare to know they hold the same parts of a tensor."""
+    return repr((t.atomic_shape, t.padded_rows, t.boxes))
+
+
 def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parallel_size: int,
-                  numel=param_numel):
+                  numel=param_numel, handled=frozenset()):
     """Per replica class (replicas.CLASSES): the ranges all the members of this rank's group of
     that class hold, as (Need, tensor index); and the per-tensor reads this rank makes alone
-    (replica_class None; everything, with the policy "per-rank")."""
+    (replica_class None; everything, with the policy "per-rank"). `handled`: the (tensor index,
+    state) pairs the tied exchange fills (tied_states)."""
     reads = [[] for _ in tensors]
     needs = {kind: [] for kind in replicas.CLASSES}
     for i, t in enumerate(tensors):
-        what = repr((t.atomic_shape, t.padded_rows, t.boxes))
+        what = geometry(t)
         for state, start, stop in ranges(t, numel):
+            if (i, state) in handled:
+                continue
             kind = replica_class(t, state, tensor_parallel_size, distributed_moments)
             if policy != "per-rank" and kind is not None:
                 needs[kind].append((Need(t.name, state, start, stop, what), i))
@@ -136,13 +147,33 @@ def replica_needs(tensors, policy: str, distributed_moments: bool, tensor_parall
     return reads, needs
 
 
+def tied_states(tensors, tied: Optional[TiedPlan], distributed_moments: bool) -> dict:
+    """Pure: the (tensor index, state) pairs the tied exchange fills -> whether the two stages'
+    data-parallel groups split them alike (the weights, and the moments without the
+    distributed optimizer); the distributed optimizer's moments of the copies come point to
+    point, the written tensor's are read as any other fragment."""
+    if tied is None:
+        return {}
+    out = {}
+    for i, t in enumerate(tensors):
+        if t.name in tied.names:
+            for state, _, _ in ranges(t):
+                if state == "param" or not distributed_moments:
+                    out[(i, state)] = True
+                elif tied.copy:
+                    out[(i, state)] = False
+    return out
+
+
 def read_plan(tensors, policy: str, distributed_moments: bool) -> ReadPlan:
     """Collective (one small all-reduce per replica group, but with "per-rank"): this rank's
     reads and exchanges. "auto" splits the reads of groups that span nodes only."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    reads, needs = run_everywhere(replica_needs, tensors, policy, distributed_moments, tp)
+    tied = tied_exchange.negotiate(tensors, policy, distributed_moments, geometry)
+    handled = tied_states(tensors, tied, distributed_moments)
+    reads, needs = run_everywhere(replica_needs, tensors, policy, distributed_moments, tp, handled=handled)
     plan = ReadPlan(reads, [], [])
     if policy == "per-rank":
         return plan
@@ -153,13 +184,57 @@ def read_plan(tensors, policy: str, distributed_moments: bool) -> ReadPlan:
         pairs = needs[kind]
         shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group, policy == "auto")
         device = group_device(group) if shares is not None else None
-
-        def staged(i, state, start, stop):
-            region = local_region(tensors[i], state, start, stop)
-            return region.dtype != torch.float32 or region.device != device
-
-        take_shares(plan, pairs, shares, group, ranks, why, ranks.index(dist.get_rank()), staged)
+        take_shares(plan, pairs, shares, group, ranks, why, ranks.index(dist.get_rank()),
+                    lambda i, state, start, stop: _staged(tensors, device, i, state, start, stop))
+    _plan_tied(plan, tensors, tied, handled)
     return plan
+
+
+def _staged(tensors, device, i, state, start, stop) -> bool:
+    """Whether a share read here is broadcast from a staging copy (the model's tensor is not
+    fp32 on the group's device)."""
+    region = local_region(tensors[i], state, start, stop)
+    return region.dtype != torch.float32 or region.device != device
+
+
+def _plan_tied(plan: ReadPlan, tensors, tied: Optional[TiedPlan], handled: dict) -> None:
+    """Collective over the data-parallel groups of the first and last stages, then the job:
+    the tied tensors split alike on both stages; the first stage's member reads its shares and
+    sends them to its partner, which broadcasts them to its own group as if it had read them.
+    A split that fails anywhere (members that hold other parts) makes every rank read the tied
+    exchange's ranges itself."""
+    from megatron.core import parallel_state
+
+    pairs = [(Need(tensors[i].name, state, start, stop, geometry(tensors[i])), i)
+             for i, t in enumerate(tensors) for state, start, stop in ranges(t) if handled.get((i, state))]
+    shares, ranks, why = None, [], None
+    if tied is not None:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        shares, ranks, why = replicas.agreed_split([n for n, _ in pairs], group)
+        if len(ranks) == 1:
+            shares = replicas.split_needs([n for n, _ in pairs], 1)
+    if not all_true(tied is None or shares is not None):
+        for i, state in handled:
+            plan.reads[i] += [(s, start, stop, False) for s, start, stop in ranges(tensors[i]) if s == state]
+        if why is not None:
+            plan.notes.append(why)
+        return
+    if tied is None:
+        return
+    plan.tied = tied
+    me, device = ranks.index(dist.get_rank()), group_device(tied.group)
+    items = []
+    for j, share in shares:
+        n, i = pairs[j]
+        key = (i, n.state, share.start, share.stop)
+        items.append((key, share))
+        if share.reader == me:
+            plan.partner.append((key, Share(share.need, share.start, share.stop, tied.source)))
+            if not tied.copy:
+                plan.reads[i].append((n.state, share.start, share.stop, _staged(tensors, device, *key)))
+    if len(ranks) > 1:
+        plan.exchanges.append((group, ranks, items))
+        tied.relay = True
 
 
 def take_shares(plan: ReadPlan, pairs, shares, group, ranks, why, me: int, staged) -> None:
@@ -214,15 +289,36 @@ def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans:
 
 def exchange(tensors, plan: ReadPlan, staged: dict) -> int:
     """Collective over each replica group: every share broadcast from its reader to the other
-    members. Returns the bytes this rank received."""
+    members; first, the tied tensors' shares from the first stage to the last (tied.py).
+    Returns the bytes this rank received."""
     def land(key, data):
         i, state, start, stop = key
         with torch.no_grad():
             deliver(tensors[i], state, start, stop, data)
 
     received = 0
+    if plan.tied is not None:
+        received += _exchange_tied(tensors, plan, staged, land)
     for group, ranks, items in plan.exchanges:
         received += replicas.broadcast_shares(
             group, ranks, [(key, local_region(tensors[key[0]], *key[1:]), share) for key, share in items],
             staged, land)
     return received
+
+
+def _exchange_tied(tensors, plan: ReadPlan, staged: dict, land) -> int:
+    """The first stage's shares of the tied tensors to their partners on the last stage, which
+    keep a staging copy where their own group's broadcast needs one; then the distributed
+    optimizer's moments of the copies, point to point."""
+    tied = plan.tied
+    relay = tied.relay
+
+    def land_and_keep(key, data):
+        land(key, data)
+        if relay and _staged(tensors, group_device(tied.group), *key):
+            staged[key] = data.cpu().numpy()
+
+    items = [(key, local_region(tensors[key[0]], *key[1:]), share) for key, share in plan.partner]
+    received = replicas.broadcast_shares(tied.group, tied.ranks, items, staged, land_and_keep, keep_staged=relay)
+    with torch.no_grad():
+        return received + tied_exchange.send_moments(tensors, tied, deliver, local_region)

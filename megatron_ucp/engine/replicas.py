@@ -63,7 +63,7 @@ def agreed_split(needs: List[Need], group, across_nodes_only: bool = False
         return None, ranks, None
     agreed = order(needs)
     mine = digest([needs[i] for i in agreed])
-    same_needs, one_node = _all_equal([mine, socket.gethostname()], group)
+    same_needs, one_node = all_equal([mine, socket.gethostname()], group)
     if not same_needs:
         found = [None] * len(ranks)
         dist.all_gather_object(found, mine, group=group)
@@ -84,10 +84,10 @@ def fingerprints(texts: List[str]) -> List[int]:
     return out
 
 
-AGREEMENT_BYTES = 2 * 8 * 2 * 2  # what _all_equal all-reduces of two texts: fingerprints, negated
+AGREEMENT_BYTES = 2 * 8 * 2 * 2  # what all_equal all-reduces of two texts: fingerprints, negated
 
 
-def _all_equal(texts: List[str], group) -> List[bool]:
+def all_equal(texts: List[str], group) -> List[bool]:
     """Collective over `group`: for each of `texts`, whether every member passed the same
     one (by 124-bit fingerprint): one all-reduce (max) of the fingerprints and their negations."""
     values = fingerprints(texts)
@@ -104,14 +104,15 @@ def split_needs(needs: List[Need], members: int, agreed: Optional[List[int]] = N
     return [(agreed[s.need], s) for s in split([needs[i] for i in agreed], members)]
 
 
-def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver) -> int:
+def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver, keep_staged: bool = False) -> int:
     """Collective over `group`: each item (key, region, share) is broadcast from its reader.
 
     `region` is the fp32-valued destination of the share in the model's tensor (1-D); the
     reader has already filled it, and `staged[key]` holds the reader's fp32 host copy where
     the region cannot take part in the collective itself (not fp32, or not on the group's
     device). `deliver(key, data)` hands a received share to the model (called on the
-    receivers, in item order). Returns the bytes this rank received."""
+    receivers, in item order); `keep_staged` leaves the reader's copies in `staged` for a later
+    broadcast. Returns the bytes this rank received."""
     device = group_device(group)
     me = ranks.index(dist.get_rank())
     pending: deque = deque()
@@ -131,7 +132,7 @@ def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver) -> i
         if direct:
             buf = region
         elif mine:
-            buf = torch.from_numpy(staged.pop(key)).to(device)
+            buf = torch.from_numpy(staged[key] if keep_staged else staged.pop(key)).to(device)
         else:
             buf = torch.empty(region.numel(), dtype=torch.float32, device=device)
         work = dist.broadcast(buf, src=ranks[share.reader], group=group, async_op=True)
