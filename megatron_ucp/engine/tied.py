@@ -18,6 +18,7 @@ read theirs, and send each fragment of the last stage the parts that overlap it,
 point (`moment_transfers`).
 """
 
+import bisect
 import socket
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -79,17 +80,18 @@ def moment_transfers(sources: List[Tuple[int, int, int]], sinks: List[Tuple[int,
                      ) -> List[Tuple[int, int, int, int]]:
     """Pure: (source rank, sink rank, start, stop) of every overlap of a source's elements with
     a sink's, in element order: sources (rank, start, stop) tile what the sinks need, each
-    sink receives each of its elements once. Raises if a sink's element has no source."""
+    sink receives each of its elements once. Raises if a sink's element has no source.
+    O((sources + sinks) log sources): a job's data-parallel groups may have thousands of members."""
+    held = sorted((s for s in sources if s[1] < s[2]), key=lambda s: s[1])
+    ends = [b for _, _, b in held]
     out = []
     for dst, lo, hi in sorted(sinks, key=lambda s: (s[1], s[0])):
-        covered = lo
-        for src, a, b in sorted(sources, key=lambda s: (s[1], s[0])):
-            start, stop = max(a, covered), min(b, hi)
-            if start < stop:
-                if start != covered:
-                    break
-                out.append((src, dst, start, stop))
-                covered = stop
+        covered, k = lo, bisect.bisect_right(ends, lo)
+        while covered < hi and k < len(held) and held[k][1] <= covered:
+            src, _, b = held[k]
+            stop = min(b, hi)
+            out.append((src, dst, covered, stop))
+            covered, k = stop, k + 1
         if covered < hi:
             raise LayoutError(f"tied tensor moments: elements [{covered}, {hi}) of rank {dst} held by no "
                               "rank of the first stage")
