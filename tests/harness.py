@@ -61,11 +61,16 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
     # Every read of these small models is shorter than the inline-hashing threshold: at 1 byte,
     # verified loads hash inline and combine pieces on every layout (fault tests set it back).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(REPO / "tests" / "runner.py"), str(spec), str(result)]
-    proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
-                          timeout=timeout)
+    for _ in range(3):
+        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               str(REPO / "tests" / "runner.py"), str(spec), str(result)]
+        proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
+                              timeout=timeout)
+        # free_port's port can be taken by another process before torchrun listens on it; no
+        # worker has started then (none wrote a result), so the group starts again on another port.
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or any(workdir.glob("result.json*")):
+            break
     results = json.loads(result.read_text()) if result.exists() else {}  # written atomically
     for other in sorted(workdir.glob("result.json.rank*[0-9]")):  # the failing ranks' stories
         for name, r in json.loads(other.read_text()).items():
