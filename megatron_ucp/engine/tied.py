@@ -186,11 +186,13 @@ def send_moments(tensors, plan: TiedPlan, deliver, local_region) -> int:
         region = local_region(tensors[i], state, start, stop)
         if send:
             works.append(dist.isend(region.detach().to(device, torch.float32).contiguous(), peer))
-        else:
-            buf = torch.empty(stop - start, dtype=torch.float32, device=device)
-            works.append(dist.irecv(buf, peer))
+            continue
+        direct = region.dtype == torch.float32 and region.device == device and region.is_contiguous()
+        buf = region if direct else torch.empty(stop - start, dtype=torch.float32, device=device)
+        works.append(dist.irecv(buf, peer))  # straight into the optimizer's moments where it can
+        if not direct:
             landing.append((i, state, start, stop, buf))
-            received += buf.numel() * 4
+        received += buf.numel() * 4
     for w in works:
         w.wait()
     for i, state, start, stop, buf in landing:
