@@ -64,11 +64,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ucp.format import manifest as mf  # noqa: E402
 from megatron_ucp.engine import plan as pl, planner  # noqa: E402
 from megatron_ucp.engine import read_plan, replicas, verify  # noqa: E402
 from megatron_ucp.engine import reads as load_reads  # noqa: E402
 from megatron_ucp.format import checksums  # noqa: E402
+from megatron_ucp.format.tensor_entry import STATES, file_layout  # noqa: E402
 from megatron_ucp.mcore.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
 from megatron_ucp.engine.save import _tensor_entries  # noqa: E402
 
@@ -90,7 +90,6 @@ CASES = {
     "deepseek-v3 EP64xPP16": (DEEPSEEK_V3, [Parallel(tp=1, pp=16, dp=dp, ep=64, stage_layers=DEEPSEEK_STAGES)
                                             for dp in (64, 256, 1024)]),
 }
-STATES = mf.STATES
 
 
 class Clock:
@@ -188,7 +187,7 @@ def _simulate(shape, par, peaks):
     if errors:
         raise SystemExit(f"plan failed: {errors[:3]}")
     entries = plans[0].entries
-    sizes = {n: mf.file_layout(e).file_size for n, e in entries.items()}
+    sizes = {n: file_layout(e).file_size for n, e in entries.items()}
     creators = clock.run(0, planner.file_creators, entries, sizes, world)
     deliver({0: creators}, clock, meta, world)
     inputs = (world, holds, at_owner, back, sizes)
@@ -199,7 +198,7 @@ def _simulate(shape, par, peaks):
     again = retimed(sorted(set(slowest) | picks), *inputs)
     peak = peak_memory(picks, *inputs) if peaks else float("nan")
     written = np.array([sum(i.nbytes for i in plans[r].items) for r in range(world)], dtype=np.float64)
-    data = sum(4 * (e["shape"][0] + e["padding_rows"]) * math.prod(e["shape"][1:]) * len(e["states"])
+    data = sum(4 * (e.shape[0] + e.padding_rows) * math.prod(e.shape[1:]) * len(e.states)
                for e in entries.values())  # the vocabulary's padding rows are saved too
     assert abs(written.sum() - data) < 1, (written.sum(), data)  # every element once (owners checked coverage)
     manifest_bytes, parse_s = manifest_figures(entries, sizes)
@@ -224,10 +223,9 @@ def sim_manifest(entries, sizes):
     as they would real sums, and find no problem."""
     tensors = {}
     for name, e in entries.items():
-        base = len(mf.file_layout(e).header)
+        base = len(file_layout(e).header)
         blocks = -(-(sizes[name] - base) // checksums.BLOCK_BYTES)
-        tensors[name] = dict(e, file_size=sizes[name], block_bytes=checksums.BLOCK_BYTES,
-                             checksums=["00000000"] * blocks)
+        tensors[name] = e.written(sizes[name], checksums.BLOCK_BYTES, ["00000000"] * blocks)
     return {"tensors": tensors}
 
 
@@ -277,7 +275,7 @@ def route_sim_hashes(hp):
 
 
 def no_problems(m, layouts, hp, received):
-    problems = verify.hash_problems(m, layouts, hp.checks, received, lambda e: e["file"])
+    problems = verify.hash_problems(m, layouts, hp.checks, received, lambda e: e.file)
     if problems:
         raise SystemExit(f"simulated load failed verification: {problems[:3]}")
 
@@ -425,8 +423,7 @@ def manifest_figures(entries, sizes):
     tensors = {}
     for name, e in entries.items():
         blocks = -(-sizes[name] // (4 * 2**20))
-        tensors[name] = dict(e, file_size=sizes[name], block_bytes=4 * 2**20,
-                             checksums=[rng.getrandbits(32) for _ in range(blocks)])
+        tensors[name] = e.written(sizes[name], 4 * 2**20, [rng.getrandbits(32) for _ in range(blocks)]).to_json()
     text = json.dumps({"tensors": tensors}, indent=1, sort_keys=True)
     best = float("inf")
     for _ in range(3):

@@ -107,8 +107,9 @@ def disk_read(work: str, nbytes: int) -> dict:
 def tensor_data_bytes(folder: str) -> int:
     """The checkpoint's tensor data: every tensor file's bytes but its header."""
     from megatron_ucp.format import manifest as mf
+    from megatron_ucp.format.tensor_entry import file_layout
 
-    layouts = [mf.file_layout(e) for e in mf.read_manifest(folder)["tensors"].values()]
+    layouts = [file_layout(e) for e in mf.read_manifest(folder)["tensors"].values()]
     return sum(layout.file_size - len(layout.header) for layout in layouts)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from harness import REPO, losses, max_loss_delta, run_steps, train_step
 from megatron_ucp.format.format_v1 import upgrade_tensors, v2_names
+from megatron_ucp.format.tensor_entry import TensorEntry
 
 FIXTURE = REPO / "tests" / "fixtures" / "v1_moe"
 RUN = json.loads((REPO / "tests" / "fixtures" / "v1_moe.json").read_text())
@@ -45,12 +46,16 @@ def test_v2_names_of_local_and_te_spec_layers():
 
 def test_upgrade_keeps_files_and_marks_the_vocabulary():
     tensors = {"embedding.word_embeddings.weight": {"file": "tensors/embedding.word_embeddings.weight.safetensors",
+                                                    "shape": [250, 32], "states": ["param"],
                                                     "rule": {"kind": "vocab", "dim": 0}, "padding_rows": 6},
-               "decoder.layers.3.input_layernorm.weight": {"file": "tensors/x.safetensors",
-                                                           "rule": {"kind": "replicated", "dim": 0}}}
-    out = upgrade_tensors(tensors)
-    assert out["embedding.word_embeddings.weight"]["vocab"] is True
-    assert out["decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"] == {"file": "tensors/x.safetensors"}
+               "decoder.layers.3.input_layernorm.weight": {
+                   "file": "tensors/decoder.layers.3.input_layernorm.weight.safetensors", "shape": [32],
+                   "states": ["param"], "rule": {"kind": "replicated", "dim": 0}}}
+    out = upgrade_tensors({n: TensorEntry.from_json(n, e, "ucp.json", 1) for n, e in tensors.items()})
+    assert out["embedding.word_embeddings.weight"].vocab is True
+    norm = out["decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"]
+    assert norm.file == "tensors/decoder.layers.3.input_layernorm.weight.safetensors" and not norm.vocab
+    assert "rule" not in norm.to_json()
 
 
 @pytest.fixture(scope="module")

@@ -215,7 +215,7 @@ def test_import_manifest(imported):
 
     m = read_manifest(str(imported["llama"][1] / "iter_0000000"))
     assert (m["iteration"], m["consumed_samples"], m["optimizer"], m["scheduler"]) == (0, 0, None, None)
-    assert m["rng_saved"] is False and all(e["states"] == ["param"] for e in m["tensors"].values())
+    assert m["rng_saved"] is False and all(e.states == ("param",) for e in m["tensors"].values())
     assert m["args"]["rotary_base"] == 5000 and m["args"]["untie_embeddings_and_output_weights"] is True
 
 

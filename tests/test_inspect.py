@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from megatron_ucp.format import manifest as mf
-from megatron_ucp.format import checksums, durability, tensor_file, tensor_io
+from megatron_ucp.format import checksums, durability, tensor_io
+from megatron_ucp.format.tensor_entry import STATES, TensorEntry, file_layout, tensor_file
+from megatron_ucp.format.tensor_file import TensorFileLayout
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.format.inspection import describe, format_table, verify
 
@@ -51,26 +53,21 @@ def _make_checkpoint(save: Path) -> Path:
     rng = np.random.default_rng(0)
     entries = {}
     for name, (shape, vocab, padding) in TENSORS.items():
-        entry = {"file": mf.tensor_file(name), "shape": shape, "dtype": "F32",
-                 "padding_rows": padding, "states": list(mf.STATES)}
-        if vocab:
-            entry["vocab"] = True
-        layout = mf.file_layout(entry)
-        path = str(root / entry["file"])
+        entry = TensorEntry.new(name, shape, vocab, padding, STATES)
+        layout = file_layout(entry)
+        path = str(root / entry.file)
         tensor_io.create_tensor_file(path, layout)
         for tname, tshape, _ in layout.entries:
             data = rng.standard_normal(tshape).astype(np.float32)
             tensor_io.write_runs(path, layout, tname, [(0, 0, data.size)], data)
-        entry.update(file_size=layout.file_size, block_bytes=BLOCK,
-                     checksums=checksums.block_checksums(path, len(layout.header), layout.file_size, BLOCK))
-        entries[name] = entry
-    durability.atomic_write_json(str(root / mf.MANIFEST), {
+        entries[name] = entry.written(layout.file_size, BLOCK,
+                                      checksums.block_checksums(path, len(layout.header), layout.file_size, BLOCK))
+    durability.atomic_write_json(str(root / mf.MANIFEST), mf.to_json({
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": ITERATION,
         "consumed_samples": 96,
         "architecture": ARCHITECTURE, "layout": LAYOUT,
         "optimizer": {"type": "adam", "step": 3, "param_groups": []}, "scheduler": None, "args": {},
-        "tensors": entries,
-    })
+    }, entries))
     durability.atomic_write_json(str(root / "rng" / "rank_00000.json"), RNG_STATE)
     (save / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
     return root
@@ -109,7 +106,7 @@ def cli(capsys):
 
 
 def _file(root: Path, name: str) -> Path:
-    return root / mf.tensor_file(name)
+    return root / tensor_file(name)
 
 
 def test_describe_and_table(ckpt):
@@ -160,7 +157,7 @@ def test_flipped_byte_names_file_and_block(ckpt):
     save, root = ckpt
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     path = _file(root, name)
-    header = len(mf.file_layout(describe_entry(root, name)).header)
+    header = len(file_layout(describe_entry(root, name)).header)
     offset = header + 3 * BLOCK + 5  # inside data block 3
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0x01
@@ -176,7 +173,7 @@ def test_several_bad_blocks_all_reported(ckpt):
     save, root = ckpt
     name = "embedding.word_embeddings.weight"
     path = _file(root, name)
-    header = len(mf.file_layout(describe_entry(root, name)).header)
+    header = len(file_layout(describe_entry(root, name)).header)
     raw = bytearray(path.read_bytes())
     for block in (0, 4):
         raw[header + block * BLOCK] ^= 0xFF
@@ -219,7 +216,7 @@ def test_wrong_header(ckpt):
     path = _file(root, name)
     # Same byte count, other layout: the states reordered.
     entry = describe_entry(root, name)
-    other = tensor_file.TensorFileLayout.build([(s, (8,), "F32") for s in reversed(entry["states"])])
+    other = TensorFileLayout.build([(s, (8,), "F32") for s in reversed(entry.states)])
     tensor_io.create_tensor_file(str(path), other)
     problems = verify(str(save))
     assert len(problems) == 1 and str(path) in problems[0] and "header" in problems[0]
@@ -261,5 +258,5 @@ def test_no_torch_import():
     assert r.returncode == 0, r.stderr
 
 
-def describe_entry(root: Path, name: str) -> dict:
+def describe_entry(root: Path, name: str) -> TensorEntry:
     return mf.read_manifest(str(root))["tensors"][name]

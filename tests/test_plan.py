@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from megatron_ucp.errors import ConfigError
 from megatron_ucp.format.layout import MAIN, Region, region_runs
+from megatron_ucp.format.tensor_entry import TensorEntry
 from megatron_ucp.engine.plan import (SHORT_ROW_BYTES, RowMerge, WriteItem, assign_writers, check_coverage, merge_rows,
                                       row_merges)
 from megatron_ucp.engine.planner import plan_in_memory
@@ -53,8 +54,8 @@ def _offers(tp, rows, width, ranges, states):
     return offers, sources, full
 
 
-def _entry(shape, states):
-    return {"shape": list(shape), "padding_rows": 0, "states": states}
+def _entry(name, shape, states):
+    return TensorEntry.new(name, shape, False, 0, [f"s{i}" for i in range(states)])
 
 
 def _global_plan(offers, part_shapes, states):
@@ -69,7 +70,7 @@ def _global_plan(offers, part_shapes, states):
 def _owner_plan(offers, part_shapes, states):
     """The planner at scale: each tensor planned by its owner (exchanges in memory)."""
     world = len(offers)
-    entries = {r: {name: _entry(shape, states) for (name, _), shape in part_shapes.items()}
+    entries = {r: {name: _entry(name, shape, states) for (name, _), shape in part_shapes.items()}
                for r in range(world)}
     plans, _ = plan_in_memory(dict(enumerate(offers)), entries, world, lambda e: 1)
     assert not plans[0].errors, plans[0].errors

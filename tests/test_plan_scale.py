@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_ucp.engine import planner
 from megatron_ucp.format.layout import MAIN, Region
+from megatron_ucp.format.tensor_entry import TensorEntry
 from megatron_ucp.engine.plan import WriteItem, assign_writers, coverage_errors, merge_rows
 from megatron_ucp.engine.planner import plan_in_memory
 
@@ -61,13 +62,12 @@ def worlds(draw):
 
 
 def _entries(shapes, states):
-    return {name: {"shape": list(shape), "padding_rows": 0, "states": ["s"] * states}
-            for (name, _), shape in shapes.items()}
+    return {name: TensorEntry.new(name, shape, False, 0, ["s"] * states) for (name, _), shape in shapes.items()}
 
 
 def _new_plan(world, states, offers, shapes, merging=True):
     entries = {r: _entries(shapes, states) for r in range(world)}
-    plans, created = plan_in_memory(offers, entries, world, lambda e: prod(e["shape"]), merging)
+    plans, created = plan_in_memory(offers, entries, world, lambda e: prod(e.shape), merging)
     return plans, created
 
 
@@ -140,7 +140,7 @@ def test_a_tensor_nobody_offers_fails_the_plan_on_every_rank():
 def test_ranks_that_disagree_on_an_entry_fail_the_plan():
     shapes = {("a", MAIN): (4,)}
     item = WriteItem("a", Region(MAIN, (0,), (4,), 0, 4), 16)
-    entries = {0: _entries(shapes, 1), 1: {"a": {"shape": [5], "padding_rows": 0, "states": ["s"]}}}
+    entries = {0: _entries(shapes, 1), 1: {"a": TensorEntry.new("a", [5], False, 0, ["s"])}}
     plans, _ = plan_in_memory({0: [item], 1: [item]}, entries, 2, lambda e: 1)
     assert plans[0].errors and "describe it differently" in plans[0].errors[0]
     assert plans[1].errors == plans[0].errors

@@ -8,7 +8,6 @@ the loaded state is bitwise the per-rank policy's, and that resumed losses conti
 policy.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 
 from harness import assert_same_state, losses, max_loss_delta, ok, roundtrip_step, run_steps, train_step
 from megatron_ucp.format import manifest as mf
+from megatron_ucp.format.tensor_entry import file_layout
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.engine.read_plan import Need, digest, disagreement, order, split
 
@@ -163,10 +163,10 @@ def w4(work):
 
 def _tensor_bytes(iter_dir: Path, which=lambda name: True) -> int:
     """The checkpoint's tensor data (of the tensors `which` names): files' bytes but headers."""
-    m = json.loads((iter_dir / mf.MANIFEST).read_text())
+    m = mf.read_manifest(str(iter_dir))
     total = 0
     for name, entry in m["tensors"].items():
-        layout = mf.file_layout(entry)
+        layout = file_layout(entry)
         total += (layout.file_size - len(layout.header)) if which(name) else 0
     return total
 

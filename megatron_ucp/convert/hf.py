@@ -21,6 +21,7 @@ from megatron_ucp.convert import hf_map
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
 from megatron_ucp.format import durability, manifest as mf, safe_files, tensor_io
+from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 
 HF_DTYPES = {"fp32": ("F32", 4, "float32"), "bf16": ("BF16", 2, "bfloat16")}
 MAX_CONFIG_BYTES = 2**20
@@ -65,7 +66,7 @@ def _to_bytes(array: np.ndarray, dtype: str) -> bytes:
     return np.ascontiguousarray(array, dtype="<f4").tobytes()
 
 
-def read_param(root: str, name: str, entry: dict, verify: bool = True) -> np.ndarray:
+def read_param(root: str, name: str, entry: TensorEntry, verify: bool = True) -> np.ndarray:
     """An atomic tensor's fp32 `param` (without vocabulary padding), its checksums verified."""
     from megatron_ucp.errors import IntegrityError
     from megatron_ucp.format import inspection
@@ -76,9 +77,9 @@ def read_param(root: str, name: str, entry: dict, verify: bool = True) -> np.nda
             raise IntegrityError("; ".join(problems))
     else:
         inspection.check_header(root, name, entry)
-    layout = mf.file_layout(entry)
-    out = np.empty(entry["shape"], np.float32)
-    tensor_io.read_runs(safe_files.safe_join(root, entry["file"]), layout, "param", [(0, 0, out.size)], out)
+    layout = file_layout(entry)
+    out = np.empty(entry.shape, np.float32)
+    tensor_io.read_runs(safe_files.safe_join(root, entry.file), layout, "param", [(0, 0, out.size)], out)
     return out
 
 
@@ -109,8 +110,8 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
     hf_map.check_names(model, m["tensors"], root)
     ps = hf_map.pairs(model)
     for p in ps:
-        if tuple(m["tensors"][p.megatron]["shape"]) != p.shape:
-            raise FormatError(f"{root}: tensor {p.megatron!r} has shape {m['tensors'][p.megatron]['shape']}, "
+        if m["tensors"][p.megatron].shape != tuple(p.shape):
+            raise FormatError(f"{root}: tensor {p.megatron!r} has shape {list(m['tensors'][p.megatron].shape)}, "
                               f"the architecture needs {list(p.shape)}")
     st_dtype, itemsize, torch_dtype = HF_DTYPES[dtype]
     shards = shard_plan(ps, itemsize, max_shard_bytes)
@@ -237,7 +238,7 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
     reader = HFReader(hf_dir)
     check_hf_tensors(model, reader)
     ps = {p.megatron: p for p in hf_map.pairs(model)}
-    metas = {n: mf.tensor_entry(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}
+    metas = {n: TensorEntry.new(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}
 
     def opener(name):
         def assemble(state):

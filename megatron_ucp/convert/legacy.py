@@ -32,6 +32,7 @@ from megatron_ucp.convert.legacy_plan import Atomic, Plan, Source, plan_conversi
 from megatron_ucp.errors import FormatError
 from megatron_ucp.format import manifest as mf
 from megatron_ucp.format.layout import PADDING, pieces
+from megatron_ucp.format.tensor_entry import STATES, TensorEntry
 
 
 def _local_states(source: Source, plan: Plan, states) -> dict:
@@ -78,12 +79,12 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
     """Convert one legacy `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, overrides)
-    metas = {n: mf.tensor_entry(n, e.shape, e.rule.kind == "vocab", e.padding_rows, mf.STATES)
+    metas = {n: TensorEntry.new(n, e.shape, e.rule.kind == "vocab", e.padding_rows, STATES)
              for n, e in plan.atomics.items()}
 
     def opener(name):
         entry = plan.atomics[name]
-        sources = {id(s): _local_states(s, plan, mf.STATES) for s in entry.sources}
+        sources = {id(s): _local_states(s, plan, STATES) for s in entry.sources}
         return lambda state: _state_parts(entry, plan, sources, state)
 
     try:

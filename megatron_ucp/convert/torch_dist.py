@@ -23,7 +23,7 @@ from megatron_ucp.convert import writer as stream_write
 from megatron_ucp.convert.dcp_reader import DcpReader
 from megatron_ucp.convert.torch_dist_plan import Plan, plan_conversion
 from megatron_ucp.convert.torch_dist_sources import Atomic, from_boxes, from_buckets
-from megatron_ucp.format import manifest as mf
+from megatron_ucp.format.tensor_entry import TensorEntry
 
 
 def assemble(entry: Atomic, plan: Plan, reader: DcpReader, state: str) -> Dict[str, np.ndarray]:
@@ -39,7 +39,7 @@ def convert(iter_dir: str, output_dir: str, extra_argv=(), nproc=None, workers: 
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, extra_argv, nproc)
     reader = DcpReader(iter_dir)
-    metas = {n: mf.tensor_entry(n, e.shape, e.padded_rows is not None, e.padding_rows, e.states, e.buffer)
+    metas = {n: TensorEntry.new(n, e.shape, e.padded_rows is not None, e.padding_rows, e.states, e.buffer)
              for n, e in plan.atomics.items()}
 
     def opener(name):

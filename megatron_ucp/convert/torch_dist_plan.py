@@ -23,6 +23,7 @@ from megatron_ucp.convert.torch_dist_sources import Atomic, Box
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.format import manifest as mf
 from megatron_ucp.format.layout import Rule, infer_rule
+from megatron_ucp.format.tensor_entry import STATES
 from megatron_ucp.mcore.optimizer_state import plain_groups, saved_steps
 
 
@@ -158,7 +159,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
             continue
         if t.write_back:
             raise LayoutError(f"{t.name}: legacy grouped-GEMM experts are not streamed; convert with --via-megatron")
-        states = ("param",) if t.stateless else mf.STATES
+        states = ("param",) if t.stateless else STATES
         boxes = _boxes(t.name, t.param, sharded.get(id(t.param)), reader)
         entry = Atomic(t.name, _source_rule(reader, t, boxes), tuple(t.atomic_shape), t.padded_rows, states,
                        t.stateless, boxes)

@@ -22,6 +22,7 @@ from megatron_ucp.errors import ConfigError, FormatError
 from megatron_ucp.format import checksums, durability, folder, manifest as mf
 from megatron_ucp.format.folder import iteration_dir
 from megatron_ucp.format.layout import PADDING
+from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 
 
 class _CrcWriter:
@@ -49,21 +50,21 @@ class _CrcWriter:
         return self.crcs
 
 
-def write_tensor_file(path: str, meta: dict, assemble: Callable[[str], Dict[str, np.ndarray]]) -> list:
+def write_tensor_file(path: str, meta: TensorEntry, assemble: Callable[[str], Dict[str, np.ndarray]]) -> list:
     """One atomic file: each state as `assemble(state)` gives it, the small padding parts kept
     for the end of the file (their place in the layout); returns the block checksums."""
-    layout = mf.file_layout(meta)
+    layout = file_layout(meta)
     padding = {}
     with open(path, "wb") as f:
         f.write(layout.header)
         out = _CrcWriter(f)
-        for state in meta["states"]:
+        for state in meta.states:
             parts = assemble(state)
             out.write(parts.pop(""))
             if PADDING in parts:
                 padding[state] = parts.pop(PADDING)
             del parts
-        for state in meta["states"]:
+        for state in meta.states:
             if state in padding:
                 out.write(padding.pop(state))
         f.flush()
@@ -79,13 +80,12 @@ _JOB = None  # (metas, opener) set in the parent before the pool forks; workers 
 def _write_one(args):
     name, tmp = args
     metas, opener = _JOB
-    meta = dict(metas[name])
-    crcs = write_tensor_file(os.path.join(tmp, meta["file"]), meta, opener(name))
-    meta.update(file_size=mf.file_layout(meta).file_size, block_bytes=checksums.BLOCK_BYTES, checksums=crcs)
-    return name, meta
+    meta = metas[name]
+    crcs = write_tensor_file(os.path.join(tmp, meta.file), meta, opener(name))
+    return name, meta.written(file_layout(meta).file_size, checksums.BLOCK_BYTES, crcs)
 
 
-def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], opener, head: dict,
+def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEntry], opener, head: dict,
                      rng: Dict[int, dict], workers: int = 1, progress: bool = True, started: float = None) -> dict:
     """Write every tensor of `metas` (`opener(name)` returns its state assembler), the RNG files
     and the manifest (`head` plus the tensors' entries); commit; return the summary, timed from
@@ -99,8 +99,8 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
         raise ConfigError(f"{final} exists already; choose another --output")
     tmp = folder.begin(output_dir, iteration)
     # Largest first: the pool's tail is short, and memory peaks early where it shows.
-    names = sorted(metas, key=lambda n: -math.prod(metas[n]["shape"]))
-    total = sum(mf.file_layout(m).file_size for m in metas.values())
+    names = sorted(metas, key=lambda n: -math.prod(metas[n].shape))
+    total = sum(file_layout(m).file_size for m in metas.values())
     entries = {}
     _JOB = (metas, opener)
     try:
@@ -111,22 +111,22 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, dict], op
                 results = pool.imap_unordered(_write_one, jobs)
                 for name, meta in results:
                     entries[name] = meta
-                    bar.update(meta["file_size"])
+                    bar.update(meta.file_size)
         else:
             for job in jobs:
                 name, meta = _write_one(job)
                 entries[name] = meta
-                bar.update(meta["file_size"])
+                bar.update(meta.file_size)
         bar.close()
         for rank, state in rng.items():
             durability.atomic_write_json(folder.rng_file(os.path.join(tmp, "rng"), rank), state)
-        folder.commit(output_dir, tmp, iteration, {**head, "tensors": dict(sorted(entries.items()))})
+        folder.commit(output_dir, tmp, iteration, mf.to_json(head, dict(sorted(entries.items()))))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         _JOB = None
     seconds = time.perf_counter() - start
-    nbytes = sum(e["file_size"] for e in entries.values())
+    nbytes = sum(e.file_size for e in entries.values())
     return {"iteration": iteration, "output": final, "tensors": len(entries), "bytes": nbytes,
             "seconds": seconds, "GB/s": nbytes / seconds / 1e9}

@@ -56,7 +56,7 @@ def _check_tensors(m: dict, tensors, path: str, strict: bool, owned=()) -> None:
         raise IncompleteCheckpointError(
             f"{path}: {len(missing)} tensors of the model are not in the checkpoint: {missing[:5]}")
     for t in tensors:
-        shape = tuple(saved[t.name]["shape"])
+        shape = saved[t.name].shape
         if shape != tuple(t.atomic_shape):
             raise LayoutError(
                 f"{path}: tensor {t.name!r} has shape {list(shape)} in the checkpoint, the model "
@@ -88,8 +88,8 @@ def _missing_pieces(m: dict, path: str, optimizer, scheduler, load_optim, load_s
     naming the flag that skips it, never a silent fresh start."""
     if optimizer is None or not load_optim:
         return
-    if m.get("optimizer") is None or any("exp_avg" not in e["states"] for e in m["tensors"].values()
-                                         if not e.get("buffer")):
+    if m.get("optimizer") is None or any("exp_avg" not in e.states for e in m["tensors"].values()
+                                         if not e.buffer):
         raise IncompleteCheckpointError(
             f"{path}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
     if scheduler is not None and load_scheduler and m.get("scheduler") is None:

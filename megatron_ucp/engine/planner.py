@@ -17,6 +17,8 @@ from typing import Dict, List, Sequence, Tuple
 from megatron_ucp.engine.plan import (ColumnBlock, RowMerge, WriteItem, assign_files, coverage_errors,
                                       merge_rows, region_sort_key)
 from megatron_ucp.format.layout import Region, padding_shape
+from megatron_ucp.format.tensor_entry import TensorEntry
+
 
 def stable_hash(obj) -> int:
     """A hash that is the same on every rank and in every run (Python's str hash is salted)."""
@@ -49,7 +51,7 @@ def _decode_key(t: tuple) -> Tuple:
     return (t[0], Region(t[1], tuple(t[2]), tuple(t[3]), t[4], t[5]))
 
 
-def route_offers(offers: Sequence[WriteItem], entries: Dict[str, dict], world: int) -> Dict[int, tuple]:
+def route_offers(offers: Sequence[WriteItem], entries: Dict[str, TensorEntry], world: int) -> Dict[int, tuple]:
     """What this rank sends each owner: (its offers of the owner's tensors, the entries of those
     tensors, the names of the owner's tensors it holds but offers nothing of). Names alone for
     the last (a distributed optimizer gives most ranks nothing of most tensors they hold): the
@@ -68,15 +70,15 @@ def route_offers(offers: Sequence[WriteItem], entries: Dict[str, dict], world: i
     return out
 
 
-def part_shapes_of(entries: Dict[str, dict]) -> Dict[Tuple[str, str], tuple]:
+def part_shapes_of(entries: Dict[str, TensorEntry]) -> Dict[Tuple[str, str], tuple]:
     """(tensor, part) -> shape of every part the entries describe (the padding rows too)."""
     from megatron_ucp.format.layout import PADDING
 
     out = {}
     for name, e in entries.items():
-        out[(name, "")] = tuple(e["shape"])
-        if e["padding_rows"]:
-            out[(name, PADDING)] = padding_shape(e["shape"], e["padding_rows"])
+        out[(name, "")] = e.shape
+        if e.padding_rows:
+            out[(name, PADDING)] = padding_shape(e.shape, e.padding_rows)
     return out
 
 
@@ -186,7 +188,7 @@ class RankPlan:
     items: List[WriteItem]  # what it writes, in a fixed order
     merges: List[RowMerge]  # the row exchanges it takes part in, in the same order on every rank
     ends: Dict[Tuple, Tuple]  # item key -> key of the offered item whose data it is part of
-    entries: Dict[str, dict]  # rank 0: every tensor's entry (the manifest's); else empty
+    entries: Dict[str, TensorEntry]  # rank 0: every tensor's entry (the manifest's); else empty
     errors: List[str]
 
 
@@ -205,17 +207,18 @@ def finish_plan(replies: Dict[int, dict]) -> RankPlan:
     return RankPlan(items, merges, ends, entries, sorted(set(errors)))
 
 
-def file_creators(entries: Dict[str, dict], sizes: Dict[str, int], world: int) -> Dict[int, Dict[str, dict]]:
+def file_creators(entries: Dict[str, TensorEntry], sizes: Dict[str, int],
+                  world: int) -> Dict[int, Dict[str, TensorEntry]]:
     """On rank 0: what it sends each rank that creates (and checksums) files: their entries."""
-    out: Dict[int, Dict[str, dict]] = {}
+    out: Dict[int, Dict[str, TensorEntry]] = {}
     for rank, names in enumerate(assign_files(sizes, world)):
         if names:
             out[rank] = {name: entries[name] for name in names}
     return out
 
 
-def plan_save(offers: Sequence[WriteItem], entries: Dict[str, dict], rank: int, world: int,
-              exchange, file_size, merging: bool = True) -> Tuple[RankPlan, Dict[str, dict]]:
+def plan_save(offers: Sequence[WriteItem], entries: Dict[str, TensorEntry], rank: int, world: int,
+              exchange, file_size, merging: bool = True) -> Tuple[RankPlan, Dict[str, TensorEntry]]:
     """This rank's save plan, and the entries of the files it creates (and checksums).
 
     `exchange(payloads)` is an all-to-all (payloads[dest] -> {source: object}); `file_size(entry)`
@@ -236,8 +239,8 @@ def plan_save(offers: Sequence[WriteItem], entries: Dict[str, dict], rank: int, 
     return mine, created
 
 
-def plan_in_memory(offers: Dict[int, Sequence[WriteItem]], entries: Dict[int, Dict[str, dict]], world: int,
-                   file_size, merging: bool = True) -> Tuple[Dict[int, RankPlan], Dict[int, Dict[str, dict]]]:
+def plan_in_memory(offers: Dict[int, Sequence[WriteItem]], entries: Dict[int, Dict[str, TensorEntry]], world: int,
+                   file_size, merging: bool = True) -> Tuple[Dict[int, RankPlan], Dict[int, Dict[str, TensorEntry]]]:
     """plan_save on every rank of a world at once, its exchanges delivered in memory (tests and
     the simulator): rank -> plan, rank -> entries of the files it creates."""
     def deliver(sent: Dict[int, Dict[int, object]]) -> Dict[int, Dict[int, object]]:

@@ -14,8 +14,9 @@ from megatron_ucp.engine import replicas, tied as tied_exchange
 from megatron_ucp.engine.collective import all_true, group_device, run_everywhere
 from megatron_ucp.engine.read_plan import Need, Share
 from megatron_ucp.engine.tied import TiedPlan
-from megatron_ucp.format import host_memory, manifest as mf, safe_files, tensor_io
+from megatron_ucp.format import host_memory, safe_files, tensor_io
 from megatron_ucp.format.layout import fragment_regions, padding_shape, region_runs
+from megatron_ucp.format.tensor_entry import file_tensor_name
 
 
 def host_view(tensor: torch.Tensor) -> Optional[np.ndarray]:
@@ -29,13 +30,13 @@ def file_runs(entry, t, state, start, stop):
     """The reads that fill local flat elements [start, stop) of `state`: (file tensor name,
     [(file element, element from start, length)]) per held region, and whether they cover
     every element (they do not where the checkpoint lacks rows: new vocabulary padding)."""
-    held = t.pieces(entry["padding_rows"] if t.padded_rows is not None else None)
+    held = t.pieces(entry.padding_rows if t.padded_rows is not None else None)
     regions = fragment_regions(held, start, stop)
-    part_shapes = {"": tuple(entry["shape"]), "padding": padding_shape(entry["shape"], entry["padding_rows"])}
+    part_shapes = {"": entry.shape, "padding": padding_shape(entry.shape, entry.padding_rows)}
     reads = []
     for local_start, region in regions:
         runs = region_runs(part_shapes[region.part], region)
-        reads.append((mf.file_tensor_name(state, region.part),
+        reads.append((file_tensor_name(state, region.part),
                       np.stack([runs[:, 1], runs[:, 0] + (local_start - start), runs[:, 2]], axis=1)))
     return reads, sum(r.numel for _, r in regions) == stop - start
 
@@ -266,7 +267,7 @@ def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans:
     def load_one(i):
         t, mine, found = tensors[i], tensor_io.ReadCounter(), []
         entry, layout = m["tensors"][t.name], layouts[t.name]
-        path = safe_files.safe_join(root, entry["file"])  # refuses names that escape the checkpoint
+        path = safe_files.safe_join(root, entry.file)  # refuses names that escape the checkpoint
         spans = hash_spans.get(t.name, ())
         with torch.no_grad():
             for state, start, stop, keep in plan.reads[i]:  # the reads read_spans planned the hashing of

@@ -9,7 +9,6 @@
    leaves the previous checkpoint and tracker untouched.
 """
 
-import copy
 import functools
 import hashlib
 import os
@@ -32,6 +31,7 @@ from megatron_ucp.errors import IncompleteCheckpointError, SaveError
 from megatron_ucp.format import checksums, durability, folder, host_memory, manifest as mf, tensor_io
 from megatron_ucp.format.folder import iteration_dir
 from megatron_ucp.format.layout import region_runs
+from megatron_ucp.format.tensor_entry import STATES, TensorEntry, file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
 from megatron_ucp.mcore.model_map import local_tensors, unwrap
 from megatron_ucp.mcore.optimizer_state import (grad_scaler_state, inner_optimizers, plain_groups, read_step,
@@ -77,8 +77,8 @@ def _offers(tensors, states, with_optimizer: bool):
 
 
 def _tensor_entries(tensors, states) -> dict:
-    return {t.name: mf.tensor_entry(t.name, t.atomic_shape, t.padded_rows is not None, t.padding_rows,
-                                    ["param"] if t.stateless else states, t.stateless)
+    return {t.name: TensorEntry.new(t.name, t.atomic_shape, t.padded_rows is not None, t.padding_rows,
+                                         ["param"] if t.stateless else states, t.stateless)
             for t in tensors if t.writes}
 
 
@@ -122,7 +122,7 @@ def _plan(tensors, states, with_optimizer: bool):
     else:
         plan, created = plan_save(offers, entries_here, rank, world,
                                   exchange_objects,
-                                  lambda e: mf.file_layout(e).file_size, _merging_rows())
+                                  lambda e: file_layout(e).file_size, _merging_rows())
         if plan.errors:
             raise IncompleteCheckpointError("save plan does not cover the model: " + "; ".join(plan.errors[:5]))
         _PLAN_CACHE.clear()  # one layout at a time
@@ -148,7 +148,7 @@ def _merging_rows() -> bool:
 
 def _create_files(tmp, entries, layouts, mine) -> None:
     for name in mine:
-        tensor_io.create_tensor_file(os.path.join(tmp, entries[name]["file"]), layouts[name])
+        tensor_io.create_tensor_file(os.path.join(tmp, entries[name].file), layouts[name])
 
 
 class _Staging:
@@ -272,10 +272,10 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
 
     def write_file(file_items):
         for item in file_items:
-            path = os.path.join(tmp, entries[item.name]["file"])
+            path = os.path.join(tmp, entries[item.name].file)
             runs = region_runs(part_shapes[(item.name, item.region.part)], item.region)
             for state, chunk in snapshot[item.key].items():
-                tensor_io.write_runs(path, layouts[item.name], mf.file_tensor_name(state, item.region.part),
+                tensor_io.write_runs(path, layouts[item.name], file_tensor_name(state, item.region.part),
                                    runs, chunk)
         durability.start_writeback(path)  # the disk writes this file while this rank writes the next
 
@@ -286,7 +286,7 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
 
 def _checksum(tmp, entries, layouts, mine) -> dict:
     def one(name):
-        path = os.path.join(tmp, entries[name]["file"])
+        path = os.path.join(tmp, entries[name].file)
         sums = checksums.block_checksums(path, len(layouts[name].header), layouts[name].file_size)
         durability.fsync_file(path)  # after hashing, which the page cache serves while the disk writes
         return name, {"file_size": layouts[name].file_size, "block_bytes": checksums.BLOCK_BYTES,
@@ -349,7 +349,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     loop's bookkeeping (docs/FORMAT.md), stored as given.
     """
     rank = dist.get_rank()
-    states = mf.STATES if optimizer is not None else ("param",)
+    states = STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
     plan, sources, entries, part_shapes, created = _plan(tensors, states, optimizer is not None)
     merges = plan.merges
@@ -382,7 +382,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
     """Column blocks exchanged, files (`created`: those this rank creates and checksums),
     checksums and commit; every step agreed by all ranks over `group`."""
     rank = dist.get_rank()
-    layouts = {name: mf.file_layout(e) for name, e in entries.items()}
+    layouts = {name: file_layout(e) for name, e in entries.items()}
     everywhere = functools.partial(run_everywhere, group=group)
     tmp = None
     try:
@@ -415,16 +415,17 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                    scheduler=scheduler.state_dict() if scheduler is not None else None,
                    args=args, rng_saved=save_rng,
                    progress=None if progress is None else mf.jsonable(progress))
-    head["tensors"] = copy.deepcopy(entries)
+    head["tensors"] = dict(entries)
     return head
 
 
-def _commit(save_dir, tmp, iteration, manifest, all_checksums, keep_last) -> None:
+def _commit(save_dir, tmp, iteration, head, all_checksums, keep_last) -> None:
     """Rank 0: every rank's checksums into the manifest, the folder committed, old ones pruned."""
+    tensors = dict(head["tensors"])
     for c in all_checksums:
         for name, info in c.items():
-            manifest["tensors"][name].update(info)
-    folder.commit(save_dir, tmp, iteration, manifest)
+            tensors[name] = tensors[name].written(**info)
+    folder.commit(save_dir, tmp, iteration, mf.to_json(head, tensors))
     ownership.prune(save_dir, keep_last, newest=iteration)
 
 

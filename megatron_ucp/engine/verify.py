@@ -13,8 +13,9 @@ from megatron_ucp.engine.plan import assign_files
 from megatron_ucp.engine.planner import owner_of
 from megatron_ucp.engine.reads import ReadPlan, file_runs
 from megatron_ucp.errors import IntegrityError
-from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_io
+from megatron_ucp.format import checksums, safe_files, tensor_io
 from megatron_ucp.format.inspection import check_file, check_header
+from megatron_ucp.format.tensor_entry import file_layout
 
 
 def inline_hash_bytes() -> int:
@@ -33,7 +34,7 @@ class Layouts(dict):
         self._entries = entries
 
     def __missing__(self, name):
-        self[name] = layout = mf.file_layout(self._entries[name])
+        self[name] = layout = file_layout(self._entries[name])
         return layout
 
 
@@ -51,7 +52,7 @@ def file_checkers(entries: dict, world: int):
     """Pure: each rank's share of the tensor files, by size (as file creation): the files whose
     size and header it checks before the load and whose block hashes it checks after. Returns
     (rank -> its file names, file name -> its rank): the same on every rank."""
-    shares = assign_files({name: int(e.get("file_size", 0)) for name, e in entries.items()}, world)
+    shares = assign_files({name: int(e.file_size or 0) for name, e in entries.items()}, world)
     return shares, {name: r for r, names in enumerate(shares) for name in names}
 
 
@@ -101,7 +102,7 @@ def route_spans(spans: dict, world: int) -> dict:
 def plan_owned_hashes(m: dict, layouts, owned, told: dict, world: int, rank: int) -> dict:
     """Pure, on an owner: who hashes each byte of the files it owns (`owned`: their names),
     from the spans the ranks told it (rank -> route_spans' payload): rank -> its share."""
-    files = {name: (len(layouts[name].header), m["tensors"][name]["file_size"], m["tensors"][name]["block_bytes"])
+    files = {name: (len(layouts[name].header), m["tensors"][name].file_size, m["tensors"][name].block_bytes)
              for name in owned}
     return checksums.plan_hashes(files, told, world, rank)
 
@@ -154,8 +155,8 @@ def hash_problems(m: dict, layouts, names, received: dict, path) -> list:
     problems = []
     for name in names:
         entry = m["tensors"][name]
-        problems += checksums.check_blocks(path(entry), len(layouts[name].header), entry["file_size"],
-                                           entry["block_bytes"], entry["checksums"], hashed.get(name, []))
+        problems += checksums.check_blocks(path(entry), len(layouts[name].header), entry.file_size,
+                                           entry.block_bytes, entry.checksums, hashed.get(name, []))
     return problems
 
 
@@ -173,7 +174,7 @@ def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> i
         for name, lo, hi in todo:
             by_file.setdefault(name, []).append((lo, hi))
         for name, spans in by_file.items():
-            path = safe_files.safe_join(root, m["tensors"][name]["file"])
+            path = safe_files.safe_join(root, m["tensors"][name].file)
             crcs = checksums.crc_spans(path, spans)
             hashes.setdefault(name, []).extend((lo, hi, c) for (lo, hi), c in zip(spans, crcs))
         return sum(hi - lo for _, lo, hi in todo)
@@ -185,7 +186,7 @@ def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> i
 
     def check():
         problems = hash_problems(m, layouts, plan.checks, received,
-                                 lambda entry: safe_files.safe_join(root, entry["file"]))
+                                 lambda entry: safe_files.safe_join(root, entry.file))
         if problems:
             raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
 

@@ -7,11 +7,12 @@ functions, so that converters writing from version-1 names use the same translat
 """
 
 import re
-from typing import Dict, Iterable
+from typing import Dict, Iterable, TypeVar
 
 _LAYER = re.compile(r"^(decoder\.layers\.\d+\.)(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _NORM = re.compile(r"^(input|pre_mlp)_layernorm\.(weight|bias)$")
+T = TypeVar("T")
 
 
 def v2_names(v1_names: Iterable[str]) -> Dict[str, str]:
@@ -47,15 +48,8 @@ def v2_names(v1_names: Iterable[str]) -> Dict[str, str]:
     return out
 
 
-def upgrade_tensors(tensors: dict) -> dict:
-    """A version-1 manifest's `tensors` as version 2's: renamed, each keeping its file; the
-    vocabulary rule becomes the `vocab` mark, the other rules (the layout's) are dropped."""
+def upgrade_tensors(tensors: Dict[str, T]) -> Dict[str, T]:
+    """A version-1 manifest's `tensors` under version 2's names, each entry as it was (it keeps
+    its file; TensorEntry.from_json made its vocabulary rule the `vocab` mark)."""
     renamed = v2_names(tensors)
-    out = {}
-    for old, entry in tensors.items():
-        entry = dict(entry)
-        rule = entry.pop("rule", None) or {}
-        if rule.get("kind") == "vocab":
-            entry["vocab"] = True
-        out[renamed[old]] = entry
-    return out
+    return {renamed[old]: entry for old, entry in tensors.items()}

@@ -11,6 +11,7 @@ import os
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
 from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_file
 from megatron_ucp.format.folder import TRACKER, iteration_dir, rng_file, tracker_iteration
+from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 
 
 def resolve(path: str) -> str:
@@ -26,9 +27,9 @@ def resolve(path: str) -> str:
     return iteration_dir(path, tracker_iteration(raw, tracker))
 
 
-def _file_bytes(entry: dict) -> int:
-    size = entry.get("file_size")
-    return size if isinstance(size, int) else mf.file_layout(entry).file_size
+def _file_bytes(entry: TensorEntry) -> int:
+    size = entry.file_size
+    return size if isinstance(size, int) else file_layout(entry).file_size
 
 
 def describe(path: str) -> dict:
@@ -38,9 +39,8 @@ def describe(path: str) -> dict:
     rows = []
     for name in sorted(m["tensors"]):
         e = m["tensors"][name]
-        rows.append({"name": name, "shape": list(e["shape"]), "vocab": bool(e.get("vocab")),
-                     "padding_rows": e["padding_rows"],
-                     "states": list(e["states"]), "bytes": _file_bytes(e)})
+        rows.append({"name": name, "shape": list(e.shape), "vocab": e.vocab, "padding_rows": e.padding_rows,
+                     "states": list(e.states), "bytes": _file_bytes(e)})
     return {
         "path": directory, "format": m["format"], "version": m["version"],
         "iteration": m["iteration"], "consumed_samples": m["consumed_samples"],
@@ -99,19 +99,19 @@ def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
     return problems
 
 
-def check_header(root: str, name: str, entry: dict) -> None:
+def check_header(root: str, name: str, entry: TensorEntry) -> None:
     """Refuse a tensor file whose presence, kind, size or header differs from the manifest's
     layout: what every load checks, verified or not (its offsets come from that layout, so a
     valid file with another header would be misread). Raises the UCPError naming the file."""
-    rel = entry["file"]
+    rel = entry.file
     try:
         path = safe_files.safe_join(root, rel)
-        want = mf.file_layout(entry)
+        want = file_layout(entry)
     except UCPError as e:
         raise type(e)(f"{rel}: {e}") from None
     if not os.path.lexists(path):
         raise IncompleteCheckpointError(f"{path}: tensor file of {name!r} is missing")
-    size = entry.get("file_size")
+    size = entry.file_size
     if size != want.file_size:
         raise FormatError(f"{path}: manifest file_size {size!r} but the layout of {name!r} needs {want.file_size} bytes")
     fd = safe_files.open_regular(path, f"tensor file of {name!r}")
@@ -125,16 +125,16 @@ def check_header(root: str, name: str, entry: dict) -> None:
         raise FormatError(f"{path}: header {list(got.entries)} does not match the manifest's layout {list(want.entries)}")
 
 
-def check_file(root: str, name: str, entry: dict) -> list:
+def check_file(root: str, name: str, entry: TensorEntry) -> list:
     """Problems with a tensor file's presence, size and header, and with the checksums the
     manifest records for it; its blocks are not read."""
     try:
         check_header(root, name, entry)
     except UCPError as e:
         return [str(e)]
-    path = safe_files.safe_join(root, entry["file"])
-    size, block, sums = entry["file_size"], entry.get("block_bytes"), entry.get("checksums")
-    base = len(mf.file_layout(entry).header)
+    path = safe_files.safe_join(root, entry.file)
+    size, block, sums = entry.file_size, entry.block_bytes, entry.checksums
+    base = len(file_layout(entry).header)
     if not (isinstance(block, int) and block > 0 and isinstance(sums, list)
             and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
         return [f"{path}: manifest records bad checksums for {name!r} "
@@ -142,14 +142,14 @@ def check_file(root: str, name: str, entry: dict) -> list:
     return []
 
 
-def verify_tensor(root: str, name: str, entry: dict) -> list:
+def verify_tensor(root: str, name: str, entry: TensorEntry) -> list:
     """Problems with a tensor file: check_file's, then every block checksum."""
     problems = check_file(root, name, entry)
     if problems:
         return problems
-    base = len(mf.file_layout(entry).header)
-    return _verify_blocks(safe_files.safe_join(root, entry["file"]), base, entry["file_size"],
-                          entry["checksums"], entry["block_bytes"])
+    base = len(file_layout(entry).header)
+    return _verify_blocks(safe_files.safe_join(root, entry.file), base, entry.file_size,
+                          entry.checksums, entry.block_bytes)
 
 
 def _verify_rng(directory: str, layout: dict) -> list:
@@ -183,7 +183,7 @@ def verify(path: str) -> list:
     problems = []
     for name in sorted(m["tensors"]):
         problems += verify_tensor(directory, name, m["tensors"][name])
-    listed = {e["file"] for e in m["tensors"].values()}
+    listed = {e.file for e in m["tensors"].values()}
     tdir = os.path.join(directory, "tensors")
     for fname in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
         if f"tensors/{fname}" not in listed:

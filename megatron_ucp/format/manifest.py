@@ -6,26 +6,17 @@ names the file and the key at fault.
 
 import math
 import os
-import re
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional
 
 from megatron_ucp.errors import FormatError, LayoutError
 from megatron_ucp.format.folder import MANIFEST, iteration_of
-from megatron_ucp.format.layout import PADDING, Rule, padding_shape
+from megatron_ucp.format.format_v1 import upgrade_tensors
 from megatron_ucp.format.safe_files import MAX_MANIFEST_BYTES, read_json
-from megatron_ucp.format.tensor_file import TensorFileLayout
+from megatron_ucp.format.tensor_entry import TensorEntry
 
 FORMAT_NAME = "megatron-ucp"
 FORMAT_VERSION = 2  # 2: atomic names are megatron's checkpoint keys; 1 is read too (format_v1.py)
-STATES = ("param", "exp_avg", "exp_avg_sq")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
-
-
-def tensor_file(name: str) -> str:
-    if not _SAFE_NAME.match(name) or ".." in name:
-        raise FormatError(f"atomic tensor name {name!r} is not a safe file name")
-    return f"tensors/{name}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -52,9 +43,9 @@ class Layout:
         return out
 
 
-def padded_vocab_size(entries: dict) -> Optional[int]:
+def padded_vocab_size(entries: Dict[str, TensorEntry]) -> Optional[int]:
     """The vocabulary rows with their padding, from the tensor entries (None without any)."""
-    return next((e["shape"][0] + e["padding_rows"] for e in entries.values() if e.get("vocab")), None)
+    return next((e.shape[0] + e.padding_rows for e in entries.values() if e.vocab), None)
 
 
 def head(*, iteration: int, consumed_samples: int, architecture: dict, layout: Layout, optimizer,
@@ -72,32 +63,9 @@ def head(*, iteration: int, consumed_samples: int, architecture: dict, layout: L
     return out
 
 
-def tensor_entry(name: str, shape, vocab: bool, padding_rows: int, states, buffer: bool = False) -> dict:
-    """The manifest entry of one atomic tensor, before its file's size and checksums are known
-    (`vocab`: its rows are the vocabulary; `buffer`: a model buffer without optimizer state)."""
-    entry = {"file": tensor_file(name), "shape": [int(d) for d in shape], "dtype": "F32",
-             "padding_rows": int(padding_rows), "states": list(states)}
-    if vocab:
-        entry["vocab"] = True
-    if buffer:
-        entry["buffer"] = True
-    return entry
-
-
-def file_entries(shape, states, padding_rows: int) -> list:
-    """The tensors inside one atomic file: each state, then each state's vocabulary padding."""
-    entries = [(s, tuple(shape), "F32") for s in states]
-    if padding_rows:
-        entries += [(f"{PADDING}.{s}", padding_shape(shape, padding_rows), "F32") for s in states]
-    return entries
-
-
-def file_tensor_name(state: str, part: str) -> str:
-    return state if not part else f"{part}.{state}"
-
-
-def file_layout(entry: dict) -> TensorFileLayout:
-    return TensorFileLayout.build(file_entries(entry["shape"], entry["states"], entry["padding_rows"]))
+def to_json(head: dict, tensors: Dict[str, TensorEntry]) -> dict:
+    """The manifest as `ucp.json` holds it: the head and each tensor's entry."""
+    return {**head, "tensors": {name: e.to_json() for name, e in tensors.items()}}
 
 
 def moe_layer_pattern(config) -> Optional[list]:
@@ -307,6 +275,8 @@ def _need(cond, path, message):
 
 
 def read_manifest(directory: str) -> dict:
+    """The manifest of checkpoint folder `directory`, checked as a whole before anything trusts
+    it; its "tensors" are TensorEntry objects, a version-1 manifest's under version 2's names."""
     path = os.path.join(directory, MANIFEST)
     m = read_json(path, "universal checkpoint manifest", MAX_MANIFEST_BYTES, root=directory)
     _need(m.get("format") == FORMAT_NAME, path, f"'format' is {m.get('format')!r}, expected {FORMAT_NAME!r}")
@@ -319,35 +289,13 @@ def read_manifest(directory: str) -> dict:
                       ("architecture", dict), ("layout", dict)):
         _need(isinstance(m.get(key), kind), path, f"key {key!r} missing or not {kind.__name__}")
     _check_meaning(m, path, directory)
-    tensors: Dict[str, dict] = m["tensors"]
-    for name, entry in tensors.items():
-        where = f"tensor {name!r}"
-        _need(isinstance(entry, dict), path, f"{where}: not an object")
-        _need(entry.get("file") == tensor_file(name), path,
-              f"{where}: file {entry.get('file')!r}, expected {tensor_file(name)!r}")
-        shape = entry.get("shape")
-        _need(isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 2**40 for d in shape),
-              path, f"{where}: bad shape {shape!r}")
-        _need(isinstance(entry.get("padding_rows", 0), int) and entry.get("padding_rows", 0) >= 0,
-              path, f"{where}: bad padding_rows")
-        entry.setdefault("padding_rows", 0)
-        states = entry.get("states")
-        _need(isinstance(states, list) and states and all(s in STATES for s in states), path,
-              f"{where}: bad states {states!r}")
-        if version == 1:
-            try:
-                Rule.from_json(entry.get("rule") or {})
-            except (KeyError, LayoutError, TypeError, ValueError) as e:
-                raise FormatError(f"{path}: {where}: bad rule {entry.get('rule')!r} ({e})") from None
-        else:
-            _need(isinstance(entry.get("vocab", False), bool), path, f"{where}: 'vocab' is not true or false")
+    tensors = {name: TensorEntry.from_json(name, entry, path, version) for name, entry in m["tensors"].items()}
     if version == 1:
-        from megatron_ucp.format.format_v1 import upgrade_tensors
-
         try:
-            m["tensors"] = upgrade_tensors(tensors)
+            tensors = upgrade_tensors(tensors)
         except ValueError as e:
             raise FormatError(f"{path}: version 1: {e}") from None
+    m["tensors"] = tensors
     return m
 
 

@@ -1,0 +1,86 @@
+"""A manifest's tensor entry (format/tensor_entry.py): the JSON it writes, read back the same,
+and what reading refuses."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ucp.errors import FormatError
+from megatron_ucp.format.tensor_entry import STATES, TensorEntry, file_layout
+
+PATH = "iter_0000003/ucp.json"
+NAME = "decoder.layers.0.mlp.linear_fc1.weight"
+
+def _entry(shape, vocab, padding, n_states, buffer, written, block, sums):
+    entry = TensorEntry.new(NAME, shape, vocab, padding if vocab else 0, STATES[:n_states], buffer)
+    return entry.written(block * len(sums) + 8, block, sums) if written else entry
+
+
+entries = st.builds(_entry, st.lists(st.integers(0, 2**20), max_size=3), st.booleans(), st.integers(0, 64),
+                    st.integers(1, 3), st.booleans(), st.booleans(), st.integers(1, 2**22),
+                    st.lists(st.integers(0, 2**32 - 1).map(lambda v: f"{v:08x}"), max_size=4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries)
+def test_json_round_trip(entry):
+    assert TensorEntry.from_json(NAME, entry.to_json(), PATH, 2) == entry
+
+
+@settings(max_examples=100, deadline=None)
+@given(entries)
+def test_json_is_the_formats(entry):
+    """Keys of docs/FORMAT.md 4.3: the marks only when true, the file's facts once written."""
+    out = entry.to_json()
+    assert out["file"] == f"tensors/{NAME}.safetensors" and out["dtype"] == "F32"
+    assert out["shape"] == list(entry.shape) and out["states"] == list(entry.states)
+    assert ("vocab" in out) == entry.vocab and ("buffer" in out) == entry.buffer
+    assert all((k in out) == (entry.file_size is not None) for k in ("file_size", "block_bytes", "checksums"))
+    assert all(type(v) in (str, int, bool, list) for v in out.values())
+
+
+def test_written_copies_and_leaves_the_entry():
+    entry = TensorEntry.new("embedding.word_embeddings.weight", [250, 32], True, 6, STATES)
+    done = entry.written(file_layout(entry).file_size, 4 * 2**20, ["0000abcd"])
+    assert entry.file_size is None and done.file_size == 98768  # docs/FORMAT.md 3's example
+    assert done.to_json() == {"file": "tensors/embedding.word_embeddings.weight.safetensors",
+                              "shape": [250, 32], "dtype": "F32", "padding_rows": 6,
+                              "states": ["param", "exp_avg", "exp_avg_sq"], "vocab": True,
+                              "file_size": 98768, "block_bytes": 4194304, "checksums": ["0000abcd"]}
+
+
+def test_version_1_rule_becomes_the_vocab_mark():
+    raw = {"file": f"tensors/{NAME}.safetensors", "shape": [4, 2], "states": ["param"]}
+    assert TensorEntry.from_json(NAME, dict(raw, rule={"kind": "vocab", "dim": 0}), PATH, 1).vocab
+    assert not TensorEntry.from_json(NAME, dict(raw, rule={"kind": "split", "dim": 1}), PATH, 1).vocab
+    with pytest.raises(FormatError, match=rf"{PATH}: tensor '{NAME}': bad rule"):
+        TensorEntry.from_json(NAME, dict(raw, rule={"kind": "diagonal"}), PATH, 1)
+
+
+GOOD = {"file": f"tensors/{NAME}.safetensors", "shape": [4, 2], "dtype": "F32", "padding_rows": 0,
+        "states": ["param"]}
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"file": "tensors/other.safetensors"}, "file 'tensors/other.safetensors', expected"),
+    ({"shape": [4, -1]}, "bad shape [4, -1]"),
+    ({"shape": "4x2"}, "bad shape '4x2'"),
+    ({"padding_rows": -1}, "bad padding_rows"),
+    ({"states": []}, "bad states []"),
+    ({"states": ["param", "momentum"]}, "bad states ['param', 'momentum']"),
+    ({"vocab": 1}, "'vocab' is not true or false"),
+])
+def test_refused_entries_name_file_tensor_and_key(change, says):
+    with pytest.raises(FormatError) as e:
+        TensorEntry.from_json(NAME, {**GOOD, **change}, PATH, 2)
+    assert str(e.value).startswith(f"{PATH}: tensor '{NAME}': ") and says in str(e.value)
+
+
+def test_an_entry_that_is_not_an_object():
+    with pytest.raises(FormatError, match=f"{PATH}: tensor '{NAME}': not an object"):
+        TensorEntry.from_json(NAME, [1, 2], PATH, 2)
+
+
+def test_unsafe_names_have_no_entry():
+    with pytest.raises(FormatError, match="not a safe file name"):
+        TensorEntry.new("../escape", [1], False, 0, ["param"])
