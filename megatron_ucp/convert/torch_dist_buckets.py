@@ -17,7 +17,7 @@ from typing import List
 
 import numpy as np
 
-from megatron_ucp.convert.buffer_layout import EMBEDDING, OUTPUT, bucket_layout
+from megatron_ucp.convert.buffer_layout import EMBEDDING, OUTPUT, bucket_layout, shared_embedding
 from megatron_ucp.convert.dcp_reader import DcpReader
 from megatron_ucp.convert.torch_dist_sources import FlatSource, from_boxes, from_buckets
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, LayoutError
@@ -113,7 +113,6 @@ def map_buckets(reader: DcpReader, source, world: int, tensors, atomics: dict, s
             if isinstance(saved, list) and len(saved) == 1 and isinstance(saved[0], list):
                 saved = saved[0]  # the sharded object's own wrapping; then one entry per buffer
             for c in range((vpp or 1)):
-                pre, post = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == (vpp or 1) - 1
                 items = []
                 for t in order:
                     expert = _EXPERT.search(t.name)
@@ -125,8 +124,9 @@ def map_buckets(reader: DcpReader, source, world: int, tensors, atomics: dict, s
                         continue
                     entry = atomics[t.name]
                     numel = math.prod(local_shape(entry.rule, entry.shape, d.tp, entry.padded_rows))
-                    items.append((t.name, numel, tied and t.name == EMBEDDING and not post))
-                if tied and post and not pre and d.members != "experts":  # the tied embedding's last-stage copy
+                    items.append((t.name, numel, shared_embedding(t.name, c, vpp or 1, pp_rank, pp, tied)))
+                # the tied embedding's last-stage copy: a parameter of that stage, marked shared
+                if d.members != "experts" and shared_embedding(OUTPUT, c, vpp or 1, pp_rank, pp, tied):
                     emb = atomics[EMBEDDING]
                     items.append((OUTPUT, math.prod(local_shape(emb.rule, emb.shape, d.tp, emb.padded_rows)), True))
                 index, buckets = bucket_layout(items, d.dp, bucket_size if c == 0 else None, high_busbw)
