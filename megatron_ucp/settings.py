@@ -55,4 +55,7 @@ def huge_pages() -> bool:
 
 
 def inline_hash_bytes() -> int:
+    """Reads shorter than this (a TP rank's half rows) are not hashed inline by a verified load
+    (engine/verify.py): each would be a piece to gather and combine. The pass after the load
+    hashes those bytes, from the page cache the load has just filled."""
     return positive_int("UCP_INLINE_HASH_BYTES")

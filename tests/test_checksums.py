@@ -118,7 +118,7 @@ def test_the_inline_threshold_must_be_a_positive_integer(monkeypatch):
     import pytest
 
     from megatron_ucp.errors import ConfigError
-    from megatron_ucp.engine.verify import inline_hash_bytes
+    from megatron_ucp.settings import inline_hash_bytes
 
     monkeypatch.delenv("UCP_INLINE_HASH_BYTES", raising=False)
     assert inline_hash_bytes() == 256 * 2**10

@@ -18,13 +18,6 @@ from megatron_ucp.format.inspection import check_file, check_header
 from megatron_ucp.format.tensor_entry import file_layout
 
 
-def inline_hash_bytes() -> int:
-    """Reads shorter than this (a TP rank's half rows) are not hashed inline: each would be a
-    piece to gather and combine. The pass after the load hashes those bytes, from the page
-    cache the load has just filled. UCP_INLINE_HASH_BYTES overrides the 256 KiB."""
-    return settings.inline_hash_bytes()
-
-
 class Layouts(dict):
     """Each tensor file's layout, built from its manifest entry when first asked for: a load
     builds only the layouts of what it reads, and each once."""
@@ -80,7 +73,7 @@ def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
 def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
     """The file byte spans of this rank's load reads, per tensor, long enough to hash inline."""
     out: dict = {}
-    shortest = inline_hash_bytes()
+    shortest = settings.inline_hash_bytes()
     for t, reads in zip(tensors, plan.reads):
         entry = m["tensors"][t.name]
         layout = layouts[t.name]
