@@ -68,6 +68,7 @@ from megatron_ucp.engine import plan as pl, planner  # noqa: E402
 from megatron_ucp.engine import read_plan, replicas, verify  # noqa: E402
 from megatron_ucp.engine import reads as load_reads  # noqa: E402
 from megatron_ucp.format import checksums  # noqa: E402
+from megatron_ucp.format.manifest import Manifest  # noqa: E402
 from megatron_ucp.format.tensor_entry import STATES, file_layout  # noqa: E402
 from megatron_ucp.mcore.model_shapes import MLA, ModelShape, Parallel, buffers, coord, registered, shard  # noqa: E402
 from megatron_ucp.engine.save import _tensor_entries  # noqa: E402
@@ -226,7 +227,8 @@ def sim_manifest(entries, sizes):
         base = len(file_layout(e).header)
         blocks = -(-(sizes[name] - base) // checksums.BLOCK_BYTES)
         tensors[name] = e.written(sizes[name], checksums.BLOCK_BYTES, ["00000000"] * blocks)
-    return {"tensors": tensors}
+    return Manifest(iteration=0, consumed_samples=0, architecture={}, layout={}, optimizer=None, scheduler=None,
+                    args={}, tensors=tensors)
 
 
 def sim_numel(t):
@@ -293,8 +295,8 @@ def simulate_load(par, loads, groups, entries, sizes, data, peaks):
     # What every rank computes alike from the manifest (the names it owns, the files' checkers):
     # computed once here, its time charged to every rank.
     start = time.perf_counter()
-    by_owner = planner.names_by_owner(m["tensors"], world)
-    checkers = verify.file_checkers(m["tensors"], world)
+    by_owner = planner.names_by_owner(m.tensors, world)
+    checkers = verify.file_checkers(m.tensors, world)
     clock.s += time.perf_counter() - start
     # The strict check: each rank's names to their owners, each owner's unclaimed names.
     strict_in = deliver({r: clock.run(r, planner.names_by_owner, {t.name for t in loads[r]}, world)
@@ -310,7 +312,7 @@ def simulate_load(par, loads, groups, entries, sizes, data, peaks):
         plan = clock.run(r, load_read_plan, loads[r], member[r], par.tp, digests)
         read_once += 4 * sum(stop - start for reads in plan.reads for _, start, stop, _ in reads)
         spans[r] = clock.run(r, lambda: verify.route_spans(
-            verify.read_spans(m, verify.Layouts(m["tensors"]), loads[r], plan), world))
+            verify.read_spans(m, verify.Layouts(m.tensors), loads[r], plan), world))
         meta[r] += sum(replicas.AGREEMENT_BYTES for kind, (ranks, _) in member[r].items()
                        if len(ranks) > 1 and not (kind.startswith("tensor") and par.tp == 1))
     if any(len(d) != 1 for d in digests.values()):
@@ -318,7 +320,7 @@ def simulate_load(par, loads, groups, entries, sizes, data, peaks):
     spans_in = deliver(spans, clock, meta, world, keep=True)
     del spans
     replies = {r: clock.run(r, lambda: verify.plan_owned_hashes(
-        m, verify.Layouts(m["tensors"]), by_owner.get(r, []), {src: pickle.loads(b) for src, b in got.items()},
+        m, verify.Layouts(m.tensors), by_owner.get(r, []), {src: pickle.loads(b) for src, b in got.items()},
         world, r)) for r, got in spans_in.items()}
     replies_in = deliver(replies, clock, meta, world, keep=True)
     del replies
@@ -332,7 +334,7 @@ def simulate_load(par, loads, groups, entries, sizes, data, peaks):
     del hashes
     for r in range(world):
         received = {src: pickle.loads(b) for src, b in hashes_in.get(r, {}).items()}
-        clock.run(r, no_problems, m, verify.Layouts(m["tensors"]), hash_plans[r], received)
+        clock.run(r, no_problems, m, verify.Layouts(m.tensors), hash_plans[r], received)
     del hash_plans
     read_per_rank = 4 * sum(stop - start for r in range(world) for t in loads[r]
                             for _, start, stop in load_reads.ranges(t, sim_numel))
@@ -354,9 +356,9 @@ def load_rank_work(rank, world, tp, m, loads, member, strict_in, spans_in, repli
     check, its read plan, its spans to the files' owners, the hashing of the files it owns, its
     hash plan, its hashes to their checkers, the blocks of its files combined."""
     tensors = loads[rank]
-    owned = planner.names_by_owner(m["tensors"], world).get(rank, [])
-    checkers = verify.file_checkers(m["tensors"], world)
-    layouts = verify.Layouts(m["tensors"])
+    owned = planner.names_by_owner(m.tensors, world).get(rank, [])
+    checkers = verify.file_checkers(m.tensors, world)
+    layouts = verify.Layouts(m.tensors)
     send(planner.names_by_owner({t.name for t in tensors}, world))
     planner.unclaimed(owned, [pickle.loads(b) for b in strict_in.get(rank, {}).values()])
     plan = load_read_plan(tensors, member[rank], tp)

@@ -109,7 +109,7 @@ def tensor_data_bytes(folder: str) -> int:
     from megatron_ucp.format import manifest as mf
     from megatron_ucp.format.tensor_entry import file_layout
 
-    layouts = [file_layout(e) for e in mf.read_manifest(folder)["tensors"].values()]
+    layouts = [file_layout(e) for e in mf.read_manifest(folder).tensors.values()]
     return sum(layout.file_size - len(layout.header) for layout in layouts)
 
 

@@ -31,7 +31,7 @@ def owned_bytes(tensors, manifest) -> int:
     """Bytes of the slices this rank owns: whole TP-local weights, optimizer fragments' moments."""
     total = 0
     for t in tensors:
-        entry = manifest["tensors"][t.name]
+        entry = manifest.tensors[t.name]
         held = t.pieces(entry.padding_rows if t.padded_rows is not None else None)
         total += 4 * sum(r.numel for _, r in fragment_regions(held, 0, t.param.numel()))
         if t.fragment is not None:

@@ -214,9 +214,9 @@ def test_import_manifest(imported):
     from megatron_ucp.format.manifest import read_manifest
 
     m = read_manifest(str(imported["llama"][1] / "iter_0000000"))
-    assert (m["iteration"], m["consumed_samples"], m["optimizer"], m["scheduler"]) == (0, 0, None, None)
-    assert m["rng_saved"] is False and all(e.states == ("param",) for e in m["tensors"].values())
-    assert m["args"]["rotary_base"] == 5000 and m["args"]["untie_embeddings_and_output_weights"] is True
+    assert (m.iteration, m.consumed_samples, m.optimizer, m.scheduler) == (0, 0, None, None)
+    assert m.rng_saved is False and all(e.states == ("param",) for e in m.tensors.values())
+    assert m.args["rotary_base"] == 5000 and m.args["untie_embeddings_and_output_weights"] is True
 
 
 def test_finetune(work, group):
@@ -235,7 +235,7 @@ def test_finetune(work, group):
             fresh = ok(group, source)["losses"]["1"]
             assert losses[1] < fresh - 0.2, (name, losses[1], fresh)
     m = read_manifest(str(work / "F_llama" / "iter_0000005"))
-    assert m["consumed_samples"] == 40 and m["optimizer"]["step"] == 5
+    assert m.consumed_samples == 40 and m.optimizer["step"] == 5
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])

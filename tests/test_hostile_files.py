@@ -322,7 +322,7 @@ def _reads(d: Path, rel: str):
                 lambda: _raise_problems(inspection._verify_rng(str(it), {"world_size": 1}))]
     if rel.endswith(".txt"):
         return [lambda: folder.read_tracker(str(d)), lambda: inspection.resolve(str(d))]
-    entry = mf.read_manifest(str(it))["tensors"][TENSOR]
+    entry = mf.read_manifest(str(it)).tensors[TENSOR]
     return [lambda: inspection.check_header(str(it), TENSOR, entry),
             lambda: _raise_problems(inspection.verify(str(d)))]
 
@@ -495,7 +495,7 @@ def test_unverified_check_refuses_another_header(copy_of, damage, says):
     d = copy_of("universal")
     path = d / IT / "tensors" / f"{TENSOR}.safetensors"
     (_longer_header if damage == "longer_header" else _swapped_offsets)(path)
-    entry = mf.read_manifest(str(d / IT))["tensors"][TENSOR]
+    entry = mf.read_manifest(str(d / IT)).tensors[TENSOR]
     _refused(lambda: inspection.check_header(str(d / IT), TENSOR, entry), path, says, kind=UCPError)
 
 

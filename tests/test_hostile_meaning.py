@@ -128,7 +128,7 @@ def test_manifest_is_checked_as_a_whole(synthetic, case):
 def test_good_records_are_accepted(synthetic, scheduler):
     _, root = synthetic
     _edit(root, _set("scheduler", value=scheduler))
-    assert mf.read_manifest(str(root))["scheduler"] == scheduler
+    assert mf.read_manifest(str(root)).scheduler == scheduler
 
 
 def test_a_loss_scaler_after_overflows_is_accepted(synthetic):
@@ -136,14 +136,14 @@ def test_a_loss_scaler_after_overflows_is_accepted(synthetic):
     _, root = synthetic
     scaler = {"scale": 262144.0, "growth_tracker": 1, "hysteresis_tracker": -3}
     _edit(root, _set("optimizer", "grad_scaler", value=scaler))
-    assert mf.read_manifest(str(root))["optimizer"]["grad_scaler"] == scaler
+    assert mf.read_manifest(str(root)).optimizer["grad_scaler"] == scaler
 
 
 def test_a_folder_not_named_iter_is_not_held_to_a_number(synthetic, tmp_path):
     _, root = synthetic
     other = tmp_path / "elsewhere"
     shutil.copytree(root, other)
-    assert mf.read_manifest(str(other))["iteration"] == 12
+    assert mf.read_manifest(str(other)).iteration == 12
 
 
 def test_architecture_compares_every_key():

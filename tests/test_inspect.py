@@ -62,12 +62,10 @@ def _make_checkpoint(save: Path) -> Path:
             tensor_io.write_runs(path, layout, tname, [(0, 0, data.size)], data)
         entries[name] = entry.written(layout.file_size, BLOCK,
                                       checksums.block_checksums(path, len(layout.header), layout.file_size, BLOCK))
-    durability.atomic_write_json(str(root / mf.MANIFEST), mf.to_json({
-        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "iteration": ITERATION,
-        "consumed_samples": 96,
-        "architecture": ARCHITECTURE, "layout": LAYOUT,
-        "optimizer": {"type": "adam", "step": 3, "param_groups": []}, "scheduler": None, "args": {},
-    }, entries))
+    durability.atomic_write_json(str(root / mf.MANIFEST), mf.Manifest(
+        iteration=ITERATION, consumed_samples=96, architecture=ARCHITECTURE, layout=LAYOUT,
+        optimizer={"type": "adam", "step": 3, "param_groups": []}, scheduler=None, args={},
+        tensors=entries).to_json())
     durability.atomic_write_json(str(root / "rng" / "rank_00000.json"), RNG_STATE)
     (save / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
     return root
@@ -259,4 +257,4 @@ def test_no_torch_import():
 
 
 def describe_entry(root: Path, name: str) -> TensorEntry:
-    return mf.read_manifest(str(root))["tensors"][name]
+    return mf.read_manifest(str(root)).tensors[name]

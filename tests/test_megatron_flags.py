@@ -79,7 +79,7 @@ def test_checkpoint_flags(tmp_path):
     assert (fresh / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     m = _manifest(weights, 3)
     assert m["optimizer"] is None and m["scheduler"] is None, "--no-save-optim saved optimizer state"
-    assert all(e.states == ("param",) for e in m["tensors"].values())
+    assert all(e["states"] == ["param"] for e in m["tensors"].values())
     assert m["rng_saved"] is False and not os.listdir(weights / "iter_0000003" / "rng")
     assert verify(str(weights)) == []  # inspect_checkpoint --verify: no RNG files expected
     assert sorted(losses(results, "weights_loaded")) == [4, 5]

@@ -165,7 +165,7 @@ def _tensor_bytes(iter_dir: Path, which=lambda name: True) -> int:
     """The checkpoint's tensor data (of the tensors `which` names): files' bytes but headers."""
     m = mf.read_manifest(str(iter_dir))
     total = 0
-    for name, entry in m["tensors"].items():
+    for name, entry in m.tensors.items():
         layout = file_layout(entry)
         total += (layout.file_size - len(layout.header)) if which(name) else 0
     return total

@@ -118,7 +118,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
 
     root, it = resolve(ckpt, iteration)
     m = read_manifest(iteration_dir(root, it))
-    saved = m.get("args") if isinstance(m.get("args"), dict) else {}
+    saved = m.args if isinstance(m.args, dict) else {}
     if not saved and not extra:
         raise ConfigError(f"{iteration_dir(root, it)}: the manifest stores no training arguments; "
                           "give the model's flags after '--' (--num-layers ... --hidden-size ...)")
@@ -143,7 +143,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
         raise ConfigError(f"{output}: exists and is not a folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir}: already exists and is not empty; remove it or choose another OUT")
-    padded = m["layout"].get("padded_vocab_size")
+    padded = m.layout.get("padded_vocab_size")
     if padded and padded != args.padded_vocab_size:  # a torch_dist resume recomputes its padding
         print(f" note: the checkpoint pads the vocabulary to {padded} rows, this layout to "
               f"{args.padded_vocab_size} (--make-vocab-size-divisible-by "

@@ -106,12 +106,12 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
     start = time.perf_counter()
     root = iteration_dir(checkpoint, iteration) if iteration is not None else inspection.resolve(checkpoint)
     m = mf.read_manifest(root)
-    model = hf_map.from_checkpoint(m["architecture"], m.get("args") or {}, m["tensors"])
-    hf_map.check_names(model, m["tensors"], root)
+    model = hf_map.from_checkpoint(m.architecture, m.args or {}, m.tensors)
+    hf_map.check_names(model, m.tensors, root)
     ps = hf_map.pairs(model)
     for p in ps:
-        if m["tensors"][p.megatron].shape != tuple(p.shape):
-            raise FormatError(f"{root}: tensor {p.megatron!r} has shape {list(m['tensors'][p.megatron].shape)}, "
+        if m.tensors[p.megatron].shape != tuple(p.shape):
+            raise FormatError(f"{root}: tensor {p.megatron!r} has shape {list(m.tensors[p.megatron].shape)}, "
                               f"the architecture needs {list(p.shape)}")
     st_dtype, itemsize, torch_dtype = HF_DTYPES[dtype]
     shards = shard_plan(ps, itemsize, max_shard_bytes)
@@ -128,7 +128,7 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
             with open(os.path.join(tmp, fname), "wb") as f:
                 f.write(safetensors_header(entries, st_dtype, itemsize))
                 for p in shard:
-                    tensor = read_param(root, p.megatron, m["tensors"][p.megatron], verify)
+                    tensor = read_param(root, p.megatron, m.tensors[p.megatron], verify)
                     for piece in p.split(tensor):
                         f.write(_to_bytes(piece, dtype))
                     del tensor
@@ -151,7 +151,7 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     seconds = time.perf_counter() - start
-    return {"family": hf_map.ARCHITECTURES[model.family], "iteration": m["iteration"], "output": output,
+    return {"family": hf_map.ARCHITECTURES[model.family], "iteration": m.iteration, "output": output,
             "tensors": len(weight_map), "files": len(shards), "bytes": total, "seconds": seconds,
             "GB/s": total / seconds / 1e9}
 

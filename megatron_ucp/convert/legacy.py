@@ -94,7 +94,7 @@ def convert(iter_dir: str, output_dir: str, overrides: dict | None = None, worke
         forget_loaded()
 
 
-def _manifest(plan: Plan, entries: dict) -> dict:
+def _manifest(plan: Plan, entries: dict) -> mf.Manifest:
     """Everything in the manifest but the tensors' entries."""
     layout = mf.Layout(
         # Without RNG files the saving layout is recorded as unknown, so a loader reseeds.

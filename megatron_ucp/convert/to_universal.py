@@ -96,7 +96,7 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     out = iteration_dir(output_dir, it)
     from megatron_ucp.format.manifest import read_manifest
 
-    tensors = read_manifest(out)["tensors"]
+    tensors = read_manifest(out).tensors
     nbytes = sum(e.file_size for e in tensors.values())
     return {"iteration": it, "output": out, "tensors": len(tensors), "bytes": nbytes,
             "seconds": seconds, "GB/s": nbytes / seconds / 1e9}

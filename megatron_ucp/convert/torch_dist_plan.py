@@ -32,7 +32,7 @@ class Plan:
     iteration: int
     sharding: str  # 'none', 'fully_reshardable' or 'dp_reshardable'
     atomics: Dict[str, Atomic]
-    head: dict  # the manifest without its tensors
+    head: mf.Manifest  # the manifest without its tensors
     rng: Dict[int, dict]
 
 

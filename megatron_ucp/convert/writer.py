@@ -9,6 +9,7 @@ parallel. The commit is the save's (folder.begin/commit), so a failed or killed 
 leaves no half checkpoint behind.
 """
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -85,7 +86,7 @@ def _write_one(args):
     return name, meta.written(file_layout(meta).file_size, checksums.BLOCK_BYTES, crcs)
 
 
-def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEntry], opener, head: dict,
+def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEntry], opener, head: mf.Manifest,
                      rng: Dict[int, dict], workers: int = 1, progress: bool = True, started: float = None) -> dict:
     """Write every tensor of `metas` (`opener(name)` returns its state assembler), the RNG files
     and the manifest (`head` plus the tensors' entries); commit; return the summary, timed from
@@ -120,7 +121,8 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEnt
         bar.close()
         for rank, state in rng.items():
             durability.atomic_write_json(folder.rng_file(os.path.join(tmp, "rng"), rank), state)
-        folder.commit(output_dir, tmp, iteration, mf.to_json(head, dict(sorted(entries.items()))))
+        manifest = dataclasses.replace(head, tensors=dict(sorted(entries.items())))
+        folder.commit(output_dir, tmp, iteration, manifest.to_json())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -41,15 +41,15 @@ class LoadResult:
     consumed_samples: int
     layout_changed: bool
     bytes_read: int
-    manifest: dict
+    manifest: mf.Manifest
     bytes_hashed_after: int = 0  # verification: bytes this rank read again to hash them
     read_policy: str = "auto"
     bytes_exchanged: int = 0  # bytes this rank received from its replicas instead of storage
     read_notes: tuple = ()  # why a replica group read per rank under the policies "once" and "auto"
 
 
-def _check_tensors(m: dict, tensors, path: str, strict: bool, owned=()) -> None:
-    saved = m["tensors"]
+def _check_tensors(m: mf.Manifest, tensors, path: str, strict: bool, owned=()) -> None:
+    saved = m.tensors
     wanted = {t.name for t in tensors}
     missing = sorted(wanted - saved.keys())
     if missing:
@@ -88,11 +88,10 @@ def _missing_pieces(m: dict, path: str, optimizer, scheduler, load_optim, load_s
     naming the flag that skips it, never a silent fresh start."""
     if optimizer is None or not load_optim:
         return
-    if m.get("optimizer") is None or any("exp_avg" not in e.states for e in m["tensors"].values()
-                                         if not e.buffer):
+    if m.optimizer is None or any("exp_avg" not in e.states for e in m.tensors.values() if not e.buffer):
         raise IncompleteCheckpointError(
             f"{path}: checkpoint holds no optimizer state; load with load_optim=False (--no-load-optim)")
-    if scheduler is not None and load_scheduler and m.get("scheduler") is None:
+    if scheduler is not None and load_scheduler and m.scheduler is None:
         raise IncompleteCheckpointError(
             f"{path}: 'scheduler' is null, the checkpoint holds no learning-rate scheduler state; "
             "load with load_scheduler=False (--no-load-scheduler) to start a fresh one")
@@ -104,18 +103,18 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     m = mf.read_manifest(root)
     path = os.path.join(root, mf.MANIFEST)
 
-    if m["iteration"] != iteration:
-        raise FormatError(f"{path}: 'iteration' is {m['iteration']}, expected {iteration} "
+    if m.iteration != iteration:
+        raise FormatError(f"{path}: 'iteration' is {m.iteration}, expected {iteration} "
                           "(the iteration asked for, or the tracker's)")
-    mf.check_architecture(m["architecture"], mf.architecture(unwrap(model[0]), vocab_size), root)
+    mf.check_architecture(m.architecture, mf.architecture(unwrap(model[0]), vocab_size), root)
     _missing_pieces(m, path, optimizer, scheduler, load_optim, load_scheduler)
     with_optim = optimizer is not None and load_optim
     tensors = local_tensors(model, optimizer if with_optim else None, vocab_size, for_load=True)
     _check_tensors(m, tensors, root, strict=False)
-    changed = not _same_layout(m["layout"], current_layout(optimizer).to_json())
+    changed = not _same_layout(m.layout, current_layout(optimizer).to_json())
     # A checkpoint saved without RNG (--no-save-rng) reseeds; a missing file of one saved with
     # it stays an error naming --no-load-rng.
-    load_rng = load_rng and m.get("rng_saved", True) is not False
+    load_rng = load_rng and m.rng_saved is not False
     rng_state = rng.read(os.path.join(root, "rng"), dist.get_rank()) if load_rng and not changed else None
     return m, tensors, with_optim, changed, rng_state
 
@@ -152,10 +151,10 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
         load_scheduler, load_rng)
     # The checkpoint's tensors this rank plans for (the strict check, the hashing): one pass
     # over the manifest's names.
-    owned = names_by_owner(m["tensors"], dist.get_world_size()).get(dist.get_rank(), [])
+    owned = names_by_owner(m.tensors, dist.get_world_size()).get(dist.get_rank(), [])
     if strict:
         _check_tensors(m, tensors, root, strict=True, owned=owned)
-    layouts = Layouts(m["tensors"])
+    layouts = Layouts(m.tensors)
     reading = read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
     if not verify:
         run_everywhere(check_headers, root, m, tensors, reading)
@@ -172,20 +171,20 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
             if t.fragment is not None and t.fragment.store is not None:
                 t.fragment.store()  # the optimizer keeps its own copies (precision-aware: maybe bf16)
         if with_optim:
-            _restore_optimizer_record(optimizer, m["optimizer"], root)
+            _restore_optimizer_record(optimizer, m.optimizer, root)
             if scheduler is not None and load_scheduler:
-                scheduler.load_state_dict(m["scheduler"])
+                scheduler.load_state_dict(m.scheduler)
 
     run_everywhere(restore)
     rehashed = check_hashes(root, m, layouts, plan, hashes) if plan is not None else 0
     if rng_state is not None:
         run_everywhere(rng.restore, rng_state)
     elif reseed is not None:
-        reseed(int(m["iteration"]))
+        reseed(int(m.iteration))
     if reading.notes and dist.get_rank() == 0:
         print(" warning: read-once load: " + "; ".join(reading.notes) + ": each member of such a group "
               "reads all it holds", flush=True)
-    return LoadResult(int(m["iteration"]), int(m["consumed_samples"]), changed, counter.bytes, m,
+    return LoadResult(int(m.iteration), int(m.consumed_samples), changed, counter.bytes, m,
                       rehashed, read_policy, exchanged, tuple(reading.notes))
 
 

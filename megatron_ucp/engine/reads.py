@@ -266,7 +266,7 @@ def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans:
     exchange sends from a staging copy leave it in `staged`."""
     def load_one(i):
         t, mine, found = tensors[i], tensor_io.ReadCounter(), []
-        entry, layout = m["tensors"][t.name], layouts[t.name]
+        entry, layout = m.tensors[t.name], layouts[t.name]
         path = safe_files.safe_join(root, entry.file)  # refuses names that escape the checkpoint
         spans = hash_spans.get(t.name, ())
         with torch.no_grad():

@@ -9,6 +9,7 @@
    leaves the previous checkpoint and tracker untouched.
 """
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -78,7 +79,7 @@ def _offers(tensors, states, with_optimizer: bool):
 
 def _tensor_entries(tensors, states) -> dict:
     return {t.name: TensorEntry.new(t.name, t.atomic_shape, t.padded_rows is not None, t.padding_rows,
-                                         ["param"] if t.stateless else states, t.stateless)
+                                    ["param"] if t.stateless else states, t.stateless)
             for t in tensors if t.writes}
 
 
@@ -406,7 +407,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
 
 
 def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
-                   consumed_samples, args, save_rng=True, progress=None) -> dict:
+                   consumed_samples, args, save_rng=True, progress=None) -> mf.Manifest:
     """Everything in the manifest but the checksums, taken when the save is called."""
     head = mf.head(iteration=iteration, consumed_samples=consumed_samples,
                    architecture=mf.architecture(unwrap(model[0]), vocab_size),
@@ -415,17 +416,16 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                    scheduler=scheduler.state_dict() if scheduler is not None else None,
                    args=args, rng_saved=save_rng,
                    progress=None if progress is None else mf.jsonable(progress))
-    head["tensors"] = dict(entries)
-    return head
+    return dataclasses.replace(head, tensors=dict(entries))
 
 
 def _commit(save_dir, tmp, iteration, head, all_checksums, keep_last) -> None:
     """Rank 0: every rank's checksums into the manifest, the folder committed, old ones pruned."""
-    tensors = dict(head["tensors"])
+    tensors = dict(head.tensors)
     for c in all_checksums:
         for name, info in c.items():
             tensors[name] = tensors[name].written(**info)
-    folder.commit(save_dir, tmp, iteration, mf.to_json(head, tensors))
+    folder.commit(save_dir, tmp, iteration, dataclasses.replace(head, tensors=tensors).to_json())
     ownership.prune(save_dir, keep_last, newest=iteration)
 
 

@@ -52,10 +52,10 @@ def file_checkers(entries: dict, world: int):
 def check_files(root: str, m: dict):
     """Sizes, headers and recorded checksums of this rank's share of the tensor files; returns
     file_checkers."""
-    shares, checker = file_checkers(m["tensors"], dist.get_world_size())
+    shares, checker = file_checkers(m.tensors, dist.get_world_size())
     mine = shares[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
-    found = tensor_io.in_parallel(lambda name: check_file(root, name, m["tensors"][name]), mine)
+    found = tensor_io.in_parallel(lambda name: check_file(root, name, m.tensors[name]), mine)
     problems = [p for file_problems in found for p in file_problems]
     if problems:
         raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
@@ -67,7 +67,7 @@ def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
     checked against the manifest: the reads take their offsets from the manifest's layout, so a
     valid file with a longer header would be misread silently. Also refuses FIFOs and devices."""
     names = sorted({t.name for t, reads in zip(tensors, plan.reads) if reads})
-    tensor_io.in_parallel(lambda name: check_header(root, name, m["tensors"][name]), names)
+    tensor_io.in_parallel(lambda name: check_header(root, name, m.tensors[name]), names)
 
 
 def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
@@ -75,7 +75,7 @@ def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
     out: dict = {}
     shortest = settings.inline_hash_bytes()
     for t, reads in zip(tensors, plan.reads):
-        entry = m["tensors"][t.name]
+        entry = m.tensors[t.name]
         layout = layouts[t.name]
         for state, start, stop, _ in reads:
             for name, runs in file_runs(entry, t, state, start, stop)[0]:
@@ -95,7 +95,7 @@ def route_spans(spans: dict, world: int) -> dict:
 def plan_owned_hashes(m: dict, layouts, owned, told: dict, world: int, rank: int) -> dict:
     """Pure, on an owner: who hashes each byte of the files it owns (`owned`: their names),
     from the spans the ranks told it (rank -> route_spans' payload): rank -> its share."""
-    files = {name: (len(layouts[name].header), m["tensors"][name].file_size, m["tensors"][name].block_bytes)
+    files = {name: (len(layouts[name].header), m.tensors[name].file_size, m.tensors[name].block_bytes)
              for name in owned}
     return checksums.plan_hashes(files, told, world, rank)
 
@@ -147,7 +147,7 @@ def hash_problems(m: dict, layouts, names, received: dict, path) -> list:
             hashed.setdefault(name, []).extend(pieces)
     problems = []
     for name in names:
-        entry = m["tensors"][name]
+        entry = m.tensors[name]
         problems += checksums.check_blocks(path(entry), len(layouts[name].header), entry.file_size,
                                            entry.block_bytes, entry.checksums, hashed.get(name, []))
     return problems
@@ -167,7 +167,7 @@ def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> i
         for name, lo, hi in todo:
             by_file.setdefault(name, []).append((lo, hi))
         for name, spans in by_file.items():
-            path = safe_files.safe_join(root, m["tensors"][name].file)
+            path = safe_files.safe_join(root, m.tensors[name].file)
             crcs = checksums.crc_spans(path, spans)
             hashes.setdefault(name, []).extend((lo, hi, c) for (lo, hi), c in zip(spans, crcs))
         return sum(hi - lo for _, lo, hi in todo)

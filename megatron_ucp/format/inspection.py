@@ -37,15 +37,15 @@ def describe(path: str) -> dict:
     directory = resolve(path)
     m = mf.read_manifest(directory)
     rows = []
-    for name in sorted(m["tensors"]):
-        e = m["tensors"][name]
+    for name in sorted(m.tensors):
+        e = m.tensors[name]
         rows.append({"name": name, "shape": list(e.shape), "vocab": e.vocab, "padding_rows": e.padding_rows,
                      "states": list(e.states), "bytes": _file_bytes(e)})
     return {
-        "path": directory, "format": m["format"], "version": m["version"],
-        "iteration": m["iteration"], "consumed_samples": m["consumed_samples"],
-        "architecture": m["architecture"], "layout": m["layout"],
-        "optimizer_step": (m.get("optimizer") or {}).get("step"),
+        "path": directory, "format": mf.FORMAT_NAME, "version": m.version,
+        "iteration": m.iteration, "consumed_samples": m.consumed_samples,
+        "architecture": m.architecture, "layout": m.layout,
+        "optimizer_step": (m.optimizer or {}).get("step"),
         "num_tensors": len(rows), "total_bytes": sum(r["bytes"] for r in rows), "tensors": rows,
     }
 
@@ -181,13 +181,13 @@ def verify(path: str) -> list:
     directory = resolve(path)
     m = mf.read_manifest(directory)
     problems = []
-    for name in sorted(m["tensors"]):
-        problems += verify_tensor(directory, name, m["tensors"][name])
-    listed = {e.file for e in m["tensors"].values()}
+    for name in sorted(m.tensors):
+        problems += verify_tensor(directory, name, m.tensors[name])
+    listed = {e.file for e in m.tensors.values()}
     tdir = os.path.join(directory, "tensors")
     for fname in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
         if f"tensors/{fname}" not in listed:
             problems.append(f"{os.path.join(tdir, fname)}: not listed in the manifest")
-    if m.get("rng_saved", True) is False:  # --no-save-rng: no RNG files to check
+    if m.rng_saved is False:  # --no-save-rng: no RNG files to check
         return problems
-    return problems + _verify_rng(directory, m["layout"])
+    return problems + _verify_rng(directory, m.layout)

@@ -6,8 +6,8 @@ names the file and the key at fault.
 
 import math
 import os
-from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
 
 from megatron_ucp.errors import FormatError, LayoutError
 from megatron_ucp.format.folder import MANIFEST, iteration_of
@@ -48,24 +48,50 @@ def padded_vocab_size(entries: Dict[str, TensorEntry]) -> Optional[int]:
     return next((e.shape[0] + e.padding_rows for e in entries.values() if e.vocab), None)
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's `ucp.json` (docs/FORMAT.md 4). Read (`read_manifest`), every block is
+    checked and the tensors are version 2's whatever `version` the file had; `args` and `source`
+    are informational, kept as found. `architecture` and `layout` stay the JSON objects they
+    are: the model's facts are compared key by key, and the layout with the loader's."""
+
+    iteration: int
+    consumed_samples: int
+    architecture: dict
+    layout: dict
+    optimizer: Optional[dict]  # {"type", "step", "param_groups"[, "grad_scaler"]}; None: no optimizer state
+    scheduler: Optional[dict]  # the learning-rate scheduler's state_dict(); None: none saved
+    args: Any  # the saving run's arguments, JSON-safe (an object as written)
+    tensors: Dict[str, TensorEntry] = field(default_factory=dict)
+    rng_saved: bool = True  # False: saved without RNG states (rng/ is empty)
+    progress: Optional[dict] = None  # the training loop's bookkeeping (docs/FORMAT.md 4.8)
+    source: Optional[dict] = None  # where a converted checkpoint came from
+    version: int = FORMAT_VERSION  # the format version of the file it was read from
+
+    def to_json(self) -> dict:
+        """The manifest as this version writes it: optional blocks only when they say something."""
+        out = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": self.iteration,
+               "consumed_samples": self.consumed_samples, "architecture": self.architecture,
+               "layout": self.layout, "optimizer": self.optimizer, "scheduler": self.scheduler,
+               "args": self.args}
+        if not self.rng_saved:
+            out["rng_saved"] = False
+        for key in ("progress", "source"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        out["tensors"] = {name: e.to_json() for name, e in self.tensors.items()}
+        return out
+
+
 def head(*, iteration: int, consumed_samples: int, architecture: dict, layout: Layout, optimizer,
-         scheduler, args, rng_saved: bool = True, **extra) -> dict:
+         scheduler, args, rng_saved: bool = True, progress: Optional[dict] = None,
+         source: Optional[dict] = None) -> Manifest:
     """Everything in a manifest but its tensor entries, as every writer of a checkpoint (the
-    save and the converters) records it. `optimizer`: {"type", "step", "param_groups"[,
-    "grad_scaler"]} or None; `extra`: optional blocks ("progress", "source")."""
-    out = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "iteration": int(iteration),
-           "consumed_samples": int(consumed_samples), "architecture": architecture,
-           "layout": layout.to_json(), "optimizer": optimizer, "scheduler": scheduler,
-           "args": jsonable(args or {})}
-    if not rng_saved:
-        out["rng_saved"] = False
-    out.update({k: v for k, v in extra.items() if v is not None})
-    return out
-
-
-def to_json(head: dict, tensors: Dict[str, TensorEntry]) -> dict:
-    """The manifest as `ucp.json` holds it: the head and each tensor's entry."""
-    return {**head, "tensors": {name: e.to_json() for name, e in tensors.items()}}
+    save and the converters) records it; the writer adds the entries (`dataclasses.replace`)
+    once its files are written."""
+    return Manifest(iteration=int(iteration), consumed_samples=int(consumed_samples), architecture=architecture,
+                    layout=layout.to_json(), optimizer=optimizer, scheduler=scheduler, args=jsonable(args or {}),
+                    rng_saved=bool(rng_saved), progress=progress, source=source)
 
 
 def moe_layer_pattern(config) -> Optional[list]:
@@ -274,9 +300,9 @@ def _need(cond, path, message):
         raise FormatError(f"{path}: {message}")
 
 
-def read_manifest(directory: str) -> dict:
+def read_manifest(directory: str) -> Manifest:
     """The manifest of checkpoint folder `directory`, checked as a whole before anything trusts
-    it; its "tensors" are TensorEntry objects, a version-1 manifest's under version 2's names."""
+    it; a version-1 manifest's tensors under version 2's names."""
     path = os.path.join(directory, MANIFEST)
     m = read_json(path, "universal checkpoint manifest", MAX_MANIFEST_BYTES, root=directory)
     _need(m.get("format") == FORMAT_NAME, path, f"'format' is {m.get('format')!r}, expected {FORMAT_NAME!r}")
@@ -295,8 +321,10 @@ def read_manifest(directory: str) -> dict:
             tensors = upgrade_tensors(tensors)
         except ValueError as e:
             raise FormatError(f"{path}: version 1: {e}") from None
-    m["tensors"] = tensors
-    return m
+    return Manifest(iteration=m["iteration"], consumed_samples=m["consumed_samples"], architecture=m["architecture"],
+                    layout=m["layout"], optimizer=m.get("optimizer"), scheduler=m.get("scheduler"),
+                    args=m.get("args"), tensors=tensors, rng_saved=m.get("rng_saved", True),
+                    progress=m.get("progress"), source=m.get("source"), version=version)
 
 
 def _check_meaning(m: dict, path: str, directory: str) -> None:

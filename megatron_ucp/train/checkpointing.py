@@ -88,7 +88,7 @@ def latest_checkpoint(args):
                           "convert it with tools/convert_to_universal.py")
     from megatron_ucp.format.manifest import read_manifest
 
-    return iteration, directory, read_manifest(directory)["layout"]
+    return iteration, directory, read_manifest(directory).layout
 
 
 def prepare_load(args) -> None:
@@ -146,7 +146,7 @@ def _saved_args(args) -> dict:
                           "checkpoint (ucp.json); convert it with tools/convert_to_universal.py")
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
 
-    saved = read_manifest(directory).get("args")
+    saved = read_manifest(directory).args
     if not isinstance(saved, dict) or not saved:
         raise FormatError(f"{os.path.join(directory, MANIFEST)}: key 'args' holds no arguments; "
                           "--use-checkpoint-args needs them (drop the flag and give the model's "
@@ -191,7 +191,7 @@ def _keep_saved_vocab_padding(args) -> None:
         return
     from megatron_ucp.format.manifest import read_manifest
 
-    padded = read_manifest(directory)["layout"].get("padded_vocab_size")
+    padded = read_manifest(directory).layout.get("padded_vocab_size")
     tp = args.tensor_model_parallel_size
     if padded and padded >= args.vocab_size and padded % tp == 0 and padded != args.padded_vocab_size:
         if dist.get_rank() == 0:
@@ -228,7 +228,7 @@ def load(args, state, reseed=None):
                                 verify=not args.no_verify_checkpoint, reseed=reseed,
                                 read_policy=args.ckpt_read_policy)
         iteration, consumed = result.iteration, result.consumed_samples
-        state.progress = dict(result.manifest.get("progress") or {})
+        state.progress = dict(result.manifest.progress or {})
     else:
         from megatron_ucp.train import legacy, native
 

@@ -1,11 +1,14 @@
-"""A manifest's tensor entry (format/tensor_entry.py): the JSON it writes, read back the same,
-and what reading refuses."""
+"""The manifest as types (format/manifest.py's Manifest, format/tensor_entry.py's TensorEntry):
+the JSON they write, read back the same, and what reading refuses."""
+
+import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import FormatError
+from megatron_ucp.format import durability, manifest as mf
 from megatron_ucp.format.tensor_entry import STATES, TensorEntry, file_layout
 
 PATH = "iter_0000003/ucp.json"
@@ -84,3 +87,40 @@ def test_an_entry_that_is_not_an_object():
 def test_unsafe_names_have_no_entry():
     with pytest.raises(FormatError, match="not a safe file name"):
         TensorEntry.new("../escape", [1], False, 0, ["param"])
+
+
+def _layout():
+    return mf.Layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                     virtual_pipeline_model_parallel_size=None, data_parallel_size=1, expert_model_parallel_size=1,
+                     expert_tensor_parallel_size=2, use_distributed_optimizer=True, world_size=2)
+
+
+def test_head_json_has_the_optional_blocks_only_when_they_say_something():
+    from test_inspect import ARCHITECTURE
+
+    plain = mf.head(iteration=3, consumed_samples=24, architecture=ARCHITECTURE, layout=_layout(),
+                    optimizer=None, scheduler=None, args={"lr": 0.1, "sizes": (1, 2)})
+    assert plain.to_json() == {"format": "megatron-ucp", "version": mf.FORMAT_VERSION, "iteration": 3,
+                               "consumed_samples": 24, "architecture": ARCHITECTURE, "layout": _layout().to_json(),
+                               "optimizer": None, "scheduler": None, "args": {"lr": 0.1, "sizes": [1, 2]},
+                               "tensors": {}}
+    imported = mf.head(iteration=0, consumed_samples=0, architecture=ARCHITECTURE, layout=_layout(),
+                       optimizer=None, scheduler=None, args=None, rng_saved=False,
+                       progress={"skipped_iterations": 0}, source={"huggingface": "/hf"}).to_json()
+    assert (imported["rng_saved"], imported["progress"], imported["source"], imported["args"]) == (
+        False, {"skipped_iterations": 0}, {"huggingface": "/hf"}, {})
+
+
+def test_manifest_read_back_is_the_one_written(tmp_path):
+    from test_inspect import ARCHITECTURE
+
+    entry = TensorEntry.new(NAME, [4, 2], False, 0, STATES)
+    architecture = {**mf.ARCHITECTURE_SINCE, **ARCHITECTURE}  # as read: later facts at their defaults
+    written = mf.Manifest(iteration=3, consumed_samples=24, architecture=architecture, layout=_layout().to_json(),
+                          optimizer={"type": "adam", "step": 3, "param_groups": [{"lr": 0.1}]}, scheduler=None,
+                          args={}, tensors={NAME: entry.written(file_layout(entry).file_size, 64, ["00000000"])},
+                          rng_saved=False, progress={"skipped_iterations": 1})
+    folder = tmp_path / "iter_0000003"
+    os.makedirs(folder)
+    durability.atomic_write_json(str(folder / mf.MANIFEST), written.to_json())
+    assert mf.read_manifest(str(folder)) == written
