@@ -208,6 +208,19 @@ def test_unknown_file(ckpt, cli):
     assert code == 1 and "stray.safetensors" in out
 
 
+@pytest.mark.parametrize("sums, shown", [(["00000000"], "1 sums"), ("00000000", "'00000000' sums"),
+                                         ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "10 sums")])
+def test_bad_recorded_checksums_are_named(ckpt, sums, shown):
+    save, root = ckpt
+    name = "decoder.layers.0.mlp.linear_fc1.weight"  # 32x8x3 floats: 48 blocks of 64 bytes
+    m = json.loads((root / mf.MANIFEST).read_text())
+    m["tensors"][name]["checksums"] = sums
+    durability.atomic_write_json(str(root / mf.MANIFEST), m)
+    problems = verify(str(save))
+    assert problems == [f"{_file(root, name)}: manifest records bad checksums for {name!r} "
+                        f"(block_bytes {BLOCK}, {shown})"]
+
+
 def test_wrong_header(ckpt):
     save, root = ckpt
     name = "decoder.final_layernorm.weight"

@@ -135,10 +135,10 @@ def check_file(root: str, name: str, entry: TensorEntry) -> list:
     path = safe_files.safe_join(root, entry.file)
     size, block, sums = entry.file_size, entry.block_bytes, entry.checksums
     base = len(file_layout(entry).header)
-    if not (isinstance(block, int) and block > 0 and isinstance(sums, list)
+    if not (isinstance(block, int) and block > 0 and isinstance(sums, tuple)
             and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
         return [f"{path}: manifest records bad checksums for {name!r} "
-                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, list) else sums!r} sums)"]
+                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, tuple) else sums!r} sums)"]
     return []
 
 

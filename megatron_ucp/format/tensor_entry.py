@@ -31,7 +31,8 @@ def tensor_file(name: str) -> str:
 class TensorEntry:
     """The manifest entry of one atomic tensor. `vocab`: its rows are the vocabulary (the
     padding part holds `padding_rows` more); `buffer`: a model buffer without optimizer state.
-    `file_size`, `block_bytes`, `checksums`: None until the file is written."""
+    `file_size`, `block_bytes`, `checksums`: None until the file is written; read, as the
+    manifest records them (inspection.check_file judges them)."""
 
     file: str
     shape: Tuple[int, ...]
@@ -42,7 +43,7 @@ class TensorEntry:
     dtype: str = DTYPE
     file_size: Optional[int] = None
     block_bytes: Optional[int] = None
-    checksums: Optional[list] = None  # 8 hex digits per block of the data section
+    checksums: Optional[Tuple[str, ...]] = None  # 8 hex digits per block of the data section
 
     @classmethod
     def new(cls, name: str, shape, vocab: bool, padding_rows: int, states, buffer: bool = False) -> "TensorEntry":
@@ -50,9 +51,9 @@ class TensorEntry:
         return cls(file=tensor_file(name), shape=tuple(int(d) for d in shape), padding_rows=int(padding_rows),
                    states=tuple(states), vocab=bool(vocab), buffer=bool(buffer))
 
-    def written(self, file_size: int, block_bytes: int, checksums: list) -> "TensorEntry":
+    def written(self, file_size: int, block_bytes: int, checksums) -> "TensorEntry":
         """This entry once its file is written: its size and block checksums recorded."""
-        return replace(self, file_size=file_size, block_bytes=block_bytes, checksums=list(checksums))
+        return replace(self, file_size=file_size, block_bytes=block_bytes, checksums=tuple(checksums))
 
     def to_json(self) -> dict:
         """The entry as the manifest records it: the marks only when true, the file's facts
@@ -63,9 +64,12 @@ class TensorEntry:
             out["vocab"] = True
         if self.buffer:
             out["buffer"] = True
-        for key in ("file_size", "block_bytes", "checksums"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+        if self.file_size is not None:
+            out["file_size"] = self.file_size
+        if self.block_bytes is not None:
+            out["block_bytes"] = self.block_bytes
+        if self.checksums is not None:
+            out["checksums"] = list(self.checksums) if isinstance(self.checksums, tuple) else self.checksums
         return out
 
     @classmethod
@@ -100,10 +104,11 @@ class TensorEntry:
             vocab = obj.get("vocab", False)
             if not isinstance(vocab, bool):
                 raise bad("'vocab' is not true or false")
+        sums = obj.get("checksums")
         return cls(file=file, shape=tuple(shape), padding_rows=padding_rows, states=tuple(states),
                    vocab=vocab, buffer=bool(obj.get("buffer", False)), dtype=obj.get("dtype", DTYPE),
                    file_size=obj.get("file_size"), block_bytes=obj.get("block_bytes"),
-                   checksums=obj.get("checksums"))
+                   checksums=tuple(sums) if isinstance(sums, list) else sums)
 
 
 def file_entries(shape, states, padding_rows: int) -> list:
