@@ -83,7 +83,7 @@ def _same_layout(saved: dict, current: dict) -> bool:
     return all(saved.get(k) == current[k] for k in keys)
 
 
-def _missing_pieces(m: dict, path: str, optimizer, scheduler, load_optim, load_scheduler) -> None:
+def _missing_pieces(m: mf.Manifest, path: str, optimizer, scheduler, load_optim, load_scheduler) -> None:
     """What the caller asked to load must be in the checkpoint: a missing piece is an error
     naming the flag that skips it, never a silent fresh start."""
     if optimizer is None or not load_optim:

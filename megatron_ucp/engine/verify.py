@@ -15,6 +15,7 @@ from megatron_ucp.engine.reads import ReadPlan, file_runs
 from megatron_ucp.errors import IntegrityError
 from megatron_ucp.format import checksums, safe_files, tensor_io
 from megatron_ucp.format.inspection import check_file, check_header
+from megatron_ucp.format.manifest import Manifest
 from megatron_ucp.format.tensor_entry import file_layout
 
 
@@ -49,7 +50,7 @@ def file_checkers(entries: dict, world: int):
     return shares, {name: r for r, names in enumerate(shares) for name in names}
 
 
-def check_files(root: str, m: dict):
+def check_files(root: str, m: Manifest):
     """Sizes, headers and recorded checksums of this rank's share of the tensor files; returns
     file_checkers."""
     shares, checker = file_checkers(m.tensors, dist.get_world_size())
@@ -62,7 +63,7 @@ def check_files(root: str, m: dict):
     return shares, checker
 
 
-def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
+def check_headers(root: str, m: Manifest, tensors, plan: ReadPlan) -> None:
     """Without verification, the header of each file this rank reads (a few KB) is still
     checked against the manifest: the reads take their offsets from the manifest's layout, so a
     valid file with a longer header would be misread silently. Also refuses FIFOs and devices."""
@@ -70,7 +71,7 @@ def check_headers(root: str, m: dict, tensors, plan: ReadPlan) -> None:
     tensor_io.in_parallel(lambda name: check_header(root, name, m.tensors[name]), names)
 
 
-def read_spans(m: dict, layouts, tensors, plan: ReadPlan) -> dict:
+def read_spans(m: Manifest, layouts, tensors, plan: ReadPlan) -> dict:
     """The file byte spans of this rank's load reads, per tensor, long enough to hash inline."""
     out: dict = {}
     shortest = settings.inline_hash_bytes()
@@ -92,7 +93,7 @@ def route_spans(spans: dict, world: int) -> dict:
     return routed
 
 
-def plan_owned_hashes(m: dict, layouts, owned, told: dict, world: int, rank: int) -> dict:
+def plan_owned_hashes(m: Manifest, layouts, owned, told: dict, world: int, rank: int) -> dict:
     """Pure, on an owner: who hashes each byte of the files it owns (`owned`: their names),
     from the spans the ranks told it (rank -> route_spans' payload): rank -> its share."""
     files = {name: (len(layouts[name].header), m.tensors[name].file_size, m.tensors[name].block_bytes)
@@ -111,7 +112,7 @@ def collect_hash_plan(replies: dict, checkers, rank: int) -> HashPlan:
     return HashPlan(inline, after, shares[rank], checker)
 
 
-def hash_plan(root: str, m: dict, layouts, tensors, reading: ReadPlan, owned) -> HashPlan:
+def hash_plan(root: str, m: Manifest, layouts, tensors, reading: ReadPlan, owned) -> HashPlan:
     """Collective: files checked (sizes, headers), then every byte of every tensor file given
     one rank to hash, as it loads it where it can (the reads of `reading`: under read-once, each
     replicated byte is read, and so hashed, by one member of its replica group). `owned`: the
@@ -138,7 +139,7 @@ def route_hashes(hashes: dict, checker: dict) -> dict:
     return routed
 
 
-def hash_problems(m: dict, layouts, names, received: dict, path) -> list:
+def hash_problems(m: Manifest, layouts, names, received: dict, path) -> list:
     """Pure, on a checker: the problems of the blocks of files `names`, from the hashes the
     ranks sent it (rank -> route_hashes' payload); `path(entry)`: the file's path, for messages."""
     hashed: dict = {}
@@ -153,7 +154,7 @@ def hash_problems(m: dict, layouts, names, received: dict, path) -> list:
     return problems
 
 
-def check_hashes(root: str, m: dict, layouts, plan: HashPlan, hashes: dict) -> int:
+def check_hashes(root: str, m: Manifest, layouts, plan: HashPlan, hashes: dict) -> int:
     """Collective, after the load: hash what the load did not, send each file's hashes to the
     rank that checks it, and check the blocks of this rank's share of the files. Returns the
     bytes hashed after."""
