@@ -9,11 +9,11 @@ import argparse
 import re
 
 from megatron_ucp.mcore.flag_validation import validate
+from megatron_ucp.mcore.ucp_flags import add_universal_flags
 
 
 # The checkpointing switches (store_true) and what each does.
 _CHECKPOINT_SWITCHES = (
-    ("--no-strict-load", "universal: ignore checkpoint tensors that have no place in the model"),
     ("--no-load-optim", "do not load optimizer state (nor the scheduler's, as in Megatron-LM)"),
     ("--finetune", "load the model weights only: iteration and consumed samples start at 0, no "
                    "optimizer, scheduler or RNG state is loaded (Megatron-LM's meaning)"),
@@ -197,15 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--async-save", action="store_true",
                    help="universal: write checkpoint files in the background; training waits only "
                         "for an in-memory copy")
-    g.add_argument("--keep-last", type=int, default=None,
-                   help="universal: keep only the newest N checkpoints (never the one the tracker names)")
-    g.add_argument("--no-verify-checkpoint", action="store_true",
-                   help="universal: skip the block-checksum verification of a checkpoint on load")
-    g.add_argument("--ckpt-read-policy", choices=["auto", "once", "per-rank"], default="auto",
-                   help="universal: 'once' reads what data-parallel replicas share once per replica group, "
-                        "each member a share, exchanged over the group; 'per-rank': every rank reads all it "
-                        "holds (faster where the replicas share a node, whose page cache serves them one "
-                        "read); 'auto' (default): once where a replica group spans nodes, else per rank")
+    add_universal_flags(g)
     for flag, text in _CHECKPOINT_SWITCHES:
         g.add_argument(flag, action="store_true", help=text)
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration")

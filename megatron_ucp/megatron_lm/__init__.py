@@ -1,0 +1,48 @@
+"""Universal checkpoints inside Megatron-LM's own trainer (`megatron.training`, shipped in
+megatron-core >= 0.17).
+
+    torchrun ... -m megatron_ucp.megatron_lm [--cpu] pretrain_gpt.py ARGS --ckpt-format universal
+    # or, from inside a script, before it calls megatron.training.pretrain:
+    import megatron_ucp.megatron_lm; megatron_ucp.megatron_lm.install()
+
+`install()` changes the trainer in three places, and nowhere else (docs/megatron_lm.md):
+- its parser (flags.py): `--ckpt-format` gains `universal`, and the project's checkpoint flags
+  join it;
+- its checkpoint functions (checkpoint.py): `save_checkpoint` writes universal checkpoints when
+  `--ckpt-format universal`, `load_checkpoint` loads any universal checkpoint on any layout
+  whatever `--ckpt-format` says, `load_args_from_checkpoint` reads a manifest's arguments, and
+  the padded vocabulary is taken from the checkpoint before the model is built; every other
+  case is Megatron-LM's own code;
+- `--cpu` only (cpu.py): the trainer's CUDA assumptions answered for CPU processes over gloo.
+Two megatron bugs that GPU users hit too are mended whatever the flags (trainer_fixes.py).
+The training loop itself is untouched: every Megatron-LM flag works as Megatron-LM defines it.
+"""
+
+_INSTALLED = {}
+
+
+def install(cpu: bool = False) -> None:
+    """Install universal checkpointing into Megatron-LM's trainer (idempotent); `cpu` also the
+    CPU/gloo mode. Call before the trainer parses its arguments."""
+    from megatron_ucp.errors import ConfigError
+    from megatron_ucp.mcore import compat
+
+    if compat.core_version() < (0, 17):
+        raise ConfigError(f"megatron_ucp.megatron_lm: megatron-core {'.'.join(map(str, compat.core_version()))} "
+                          "ships no Megatron-LM trainer (megatron.training, 0.17 and later); use "
+                          "pretrain_gpt_ucp.py, the project's own loop")
+    if _INSTALLED.get("cpu") is not None:
+        if cpu and not _INSTALLED["cpu"]:
+            raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")
+        return
+    from megatron_ucp.megatron_lm import checkpoint, flags, trainer_fixes
+
+    compat.apply()
+    trainer_fixes.apply()
+    if cpu:
+        from megatron_ucp.megatron_lm import cpu as cpu_mode
+
+        cpu_mode.enable()
+    flags.install(cpu)
+    checkpoint.install()
+    _INSTALLED["cpu"] = cpu

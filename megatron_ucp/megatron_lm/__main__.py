@@ -1,0 +1,53 @@
+"""`python -m megatron_ucp.megatron_lm [--cpu] SCRIPT [SCRIPT ARGS]`: run an unchanged
+Megatron-LM training script (one that calls `megatron.training.pretrain`) with universal
+checkpointing installed; under torchrun: `torchrun ... -m megatron_ucp.megatron_lm SCRIPT ...`."""
+
+import os
+import runpy
+import sys
+
+USAGE = ("usage: python -m megatron_ucp.megatron_lm [--cpu] SCRIPT [SCRIPT ARGS]\n"
+         "  runs SCRIPT (e.g. Megatron-LM's pretrain_gpt.py) with universal checkpoints installed "
+         "into megatron.training;\n  --cpu: CPU processes over gloo (tests, demos)")
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cpu = False
+    while argv and argv[0].startswith("-"):
+        flag = argv.pop(0)
+        if flag == "--cpu":
+            cpu = True
+        elif flag in ("-h", "--help"):
+            print(USAGE)
+            return
+        else:
+            sys.exit(f"megatron_ucp.megatron_lm: unknown option {flag!r} before SCRIPT\n{USAGE}")
+    if not argv:
+        sys.exit(USAGE)
+    script = argv[0]
+    if not os.path.isfile(script):
+        sys.exit(f"megatron_ucp.megatron_lm: {script}: no such script")
+    from megatron_ucp.errors import run_command
+
+    run_command(lambda: run(script, argv, cpu), "megatron_ucp.megatron_lm")
+
+
+def run(script: str, argv: list, cpu: bool) -> None:
+    """Install, then run `script` as `python SCRIPT ARGS` would (its own argv, its folder first
+    on sys.path); the process group is closed before the interpreter exits (train.loop's
+    close_distributed says why)."""
+    from megatron_ucp.megatron_lm import install
+    from megatron_ucp.train.loop import close_distributed
+
+    install(cpu=cpu)
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""Megatron-LM's checkpoint functions with universal checkpoints.
+
+- `save_checkpoint`: with `--ckpt-format universal`, a universal save at the trainer's own save
+  points (interval, exit interval, signal handler, exit duration, the final save); otherwise,
+  and for non-persistent checkpoints (Megatron-LM's own until the local tier), megatron's code.
+- `load_checkpoint`: the checkpoint that `--load` (and `--ckpt-step`) designate is loaded
+  universally when it is one (its manifest says so), on any layout, whatever `--ckpt-format`
+  says; a torch_dist or torch checkpoint goes to megatron's loader in its own format, so a job
+  switches to universal at its next save.
+- `load_args_from_checkpoint` (`--use-checkpoint-args`): a manifest's arguments.
+- the padded vocabulary: the checkpoint's, before the model is built (padding rows take part in
+  the softmax, so another padding is another loss).
+Everything megatron's own load restores is restored: iteration, consumed / skipped / validation
+samples, FLOPs so far, the micro-batch calculator, scheduler, RNG (reseeded when the layout
+changed), `--finetune`, `--no-load-optim/rng`.
+"""
+
+import importlib
+import inspect
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_ucp.engine.collective import run_everywhere
+from megatron_ucp.format.folder import MANIFEST, TRACKER, iteration_dir, read_tracker
+from megatron_ucp.megatron_lm.flags import UNIVERSAL
+from megatron_ucp.megatron_lm.patching import replace_everywhere
+
+_ORIGINAL = {}
+_PENDING = {}  # "save": the AsyncSave of a universal --async-save still writing
+
+
+def _megatron(name):
+    return importlib.import_module(f"megatron.training.{name}")
+
+
+def _args():
+    return _megatron("global_vars").get_args()
+
+
+def _print(*text):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*text, flush=True)
+
+
+# -- what --load designates --
+
+def universal_target(load_dir, ckpt_step=None):
+    """(iteration, folder) when `load_dir` designates a universal checkpoint, else None (no
+    checkpoint, a 'release' tracker, or megatron's own formats: megatron's code handles those)."""
+    if not load_dir:
+        return None
+    if ckpt_step is None:
+        if not os.path.lexists(os.path.join(load_dir, TRACKER)):
+            return None
+        try:
+            ckpt_step = read_tracker(load_dir)
+        except Exception:  # 'release', or unreadable: megatron's loader says what it makes of it
+            return None
+    folder = iteration_dir(load_dir, ckpt_step)
+    return (ckpt_step, folder) if os.path.lexists(os.path.join(folder, MANIFEST)) else None
+
+
+def found_format(load_dir, ckpt_step=None):
+    """The format of the checkpoint `load_dir` designates (universal, torch_dist, torch), or None."""
+    from megatron_ucp.convert.to_universal import found_format as folder_format
+
+    if not load_dir:
+        return None
+    try:
+        step = ckpt_step if ckpt_step is not None else read_tracker(load_dir)
+    except Exception:
+        return None
+    folder = iteration_dir(load_dir, step)
+    return folder_format(folder)[0] if os.path.isdir(folder) else None
+
+
+class _Format:
+    """`args.ckpt_format` set to `fmt` for a call into megatron's own code."""
+
+    def __init__(self, args, fmt):
+        self.args, self.fmt = args, fmt
+
+    def __enter__(self):
+        self.saved = self.args.ckpt_format, getattr(self.args, "use_dist_ckpt", None)
+        self.args.ckpt_format = self.fmt
+        if self.saved[1] is not None:
+            self.args.use_dist_ckpt = self.fmt != "torch"
+
+    def __exit__(self, *exc):
+        self.args.ckpt_format = self.saved[0]
+        if self.saved[1] is not None:
+            self.args.use_dist_ckpt = self.saved[1]
+
+
+def true_vocab_size(args) -> int:
+    """The tokenizer's vocabulary (the padded one less its padding rows)."""
+    try:
+        return _megatron("global_vars").get_tokenizer().vocab_size
+    except Exception:  # no tokenizer built (a script that builds its own): the flag
+        return args.vocab_size
+
+
+# -- save --
+
+def _progress(args, flops) -> dict:
+    """Megatron-LM's bookkeeping that its checkpoints keep beside the iteration."""
+    return {"num_floating_point_operations_so_far": flops,
+            "skipped_train_samples": getattr(args, "skipped_train_samples", 0),
+            "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0)}
+
+
+def _rerun_pending() -> bool:
+    """The rerun state machine holds a fault mid-flight (its checkpoint is per-rank state that
+    only megatron's torch_dist format keeps)."""
+    try:
+        machine = importlib.import_module("megatron.core.rerun_state_machine")
+    except ImportError:
+        return False
+    return machine.get_rerun_state_machine().state != machine.RerunState.NOT_RUNNING_YET
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context=None, *rest, non_persistent_ckpt=False, **kwargs):
+    args = _args()
+    original = _ORIGINAL["save_checkpoint"]
+    call = (iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            checkpointing_context, *rest)
+    if args.ckpt_format != UNIVERSAL:
+        return original(*call, non_persistent_ckpt=non_persistent_ckpt, **kwargs)
+    if non_persistent_ckpt or _rerun_pending():
+        if not non_persistent_ckpt:
+            _print(" a re-run is pending: this checkpoint is megatron's torch_dist (it holds per-rank "
+                   "fault state); the next load recognises it")
+        with _Format(args, "torch_dist"):
+            return original(*call, non_persistent_ckpt=non_persistent_ckpt, **kwargs)
+    from megatron_ucp.api import save_universal
+
+    finish_pending_save()
+    weights_only = args.no_save_optim  # as Megatron-LM: neither optimizer nor scheduler
+    _print(f" saving universal checkpoint at iteration {iteration:7d} to {args.save}")
+    result = save_universal(args.save, iteration, model, None if weights_only else optimizer,
+                            None if weights_only else opt_param_scheduler,
+                            vocab_size=true_vocab_size(args),
+                            consumed_samples=args.consumed_train_samples, args=vars(args),
+                            keep_last=args.keep_last, async_save=bool(args.async_save),
+                            save_rng=not args.no_save_rng,
+                            progress=_progress(args, num_floating_point_operations_so_far))
+    if args.async_save:
+        _PENDING["save"] = result
+    else:
+        _print(f"  successfully saved universal checkpoint from iteration {iteration:7d} to {args.save}")
+
+
+def finish_pending_save(blocking: bool = True) -> None:
+    """Commit a universal background save: wait for it (`blocking`), or only when every rank's
+    writer is done (a flag all-reduced), as megatron finalizes its own async saves."""
+    pending = _PENDING.get("save")
+    if pending is None:
+        return
+    if not blocking:
+        done = torch.tensor([1 if pending.done() else 0], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=_gloo_group())
+        if not done.item():
+            return
+    _PENDING.pop("save")
+    committed = pending.wait()
+    _print(f"  successfully saved universal checkpoint (in the background) to {committed}")
+
+
+def _gloo_group():
+    """The group for the CPU flag of `finish_pending_save` (a gloo one beside NCCL)."""
+    if "gloo" not in _PENDING:
+        _PENDING["gloo"] = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return _PENDING["gloo"]
+
+
+def maybe_finalize_async_save(blocking=False, *rest, **kwargs):
+    finish_pending_save(blocking=blocking)
+    return _ORIGINAL["maybe_finalize_async_save"](blocking, *rest, **kwargs)
+
+
+# -- load --
+
+def _reseed(args, iteration: int) -> None:
+    """Megatron-LM's own seeding (initialize._set_random_seed), from --seed and the iteration,
+    for a checkpoint of another layout (its per-rank RNG states belong to other ranks)."""
+    fn = _megatron("initialize")._set_random_seed
+    known = {"data_parallel_random_init": getattr(args, "data_parallel_random_init", False),
+             "te_rng_tracker": getattr(args, "te_rng_tracker", False),
+             "inference_rng_tracker": getattr(args, "inference_rng_tracker", False),
+             "use_cudagraphable_rng": getattr(args, "cuda_graph_impl", "none") != "none"
+             or bool(getattr(args, "enable_cuda_graph", False))}
+    params = inspect.signature(fn).parameters
+    fn(args.seed + iteration, **{k: v for k, v in known.items() if k in params})
+
+
+def _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, iteration):
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+    from megatron_ucp.api import load_universal
+
+    args = _args()
+    finetune = bool(args.finetune)
+    load_optim = not (finetune or args.no_load_optim)
+    result = load_universal(load_dir, ddp_model, optimizer if load_optim else None,
+                            opt_param_scheduler if load_optim else None,
+                            vocab_size=true_vocab_size(args), iteration=iteration,
+                            load_optim=load_optim, load_scheduler=load_optim,
+                            load_rng=not (finetune or args.no_load_rng),
+                            strict=not args.no_strict_load, verify=not args.no_verify_checkpoint,
+                            reseed=lambda it: _reseed(args, it), read_policy=args.ckpt_read_policy)
+    if not load_optim and (args.fp16 or args.bf16) and optimizer is not None:
+        optimizer.reload_model_params()  # the main params from the loaded weights, as megatron does
+    checkpointing = _megatron("checkpointing")
+    checkpointing.set_checkpoint_version(3.0)
+    if finetune:
+        _print(f"  loaded universal checkpoint from {load_dir} at iteration {result.iteration} "
+               "(--finetune: weights only, training starts at iteration 0)")
+        return 0, 0
+    progress = result.manifest.progress or {}
+    args.consumed_train_samples = result.consumed_samples
+    args.skipped_train_samples = int(progress.get("skipped_train_samples", 0))
+    args.consumed_valid_samples = int(progress.get("consumed_valid_samples", 0))
+    update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+    if hasattr(checkpointing, "set_loaded_iteration"):
+        checkpointing.set_loaded_iteration(result.iteration)
+    _print(f"  successfully loaded universal checkpoint from {load_dir} at iteration {result.iteration}")
+    return result.iteration, progress.get("num_floating_point_operations_so_far", 0)
+
+
+def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, *rest, **kwargs):
+    args = _args()
+    original = _ORIGINAL["load_checkpoint"]
+    load_dir = getattr(args, load_arg)
+    step = getattr(args, "ckpt_step", None)
+    target = run_everywhere(universal_target, load_dir, step)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if target is None and pretrained and not os.path.lexists(os.path.join(load_dir or "", TRACKER)):
+        target = run_everywhere(universal_target, pretrained)  # megatron: finetune from it
+        if target is not None:
+            load_dir, args.finetune = pretrained, True
+    if target is not None:
+        return _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, target[0])
+    fmt = run_everywhere(found_format, load_dir, step)
+    if args.ckpt_format == UNIVERSAL and fmt is not None:  # megatron's format: its own loader
+        with _Format(args, fmt):
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
+    if args.ckpt_format == UNIVERSAL:
+        with _Format(args, "torch_dist"):  # no checkpoint: megatron's message and its fresh start
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
+    return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
+
+
+def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
+    """--use-checkpoint-args: a universal checkpoint's stored model arguments (the ones Megatron-LM
+    takes from its own checkpoints), read before the process group exists."""
+    from megatron_ucp.train.checkpointing import use_checkpoint_args
+
+    target = universal_target(getattr(args, load_arg, None), getattr(args, "ckpt_step", None))
+    if target is None:
+        return _ORIGINAL["load_args_from_checkpoint"](args, load_arg, *rest, **kwargs)
+    from megatron_ucp.format.manifest import read_manifest
+
+    use_checkpoint_args(args, read_manifest(target[1]).args or {},
+                        verbose=int(os.environ.get("RANK", "0")) == 0)
+    return args, args
+
+
+def adopt_padded_vocab() -> None:
+    """Before the model is built: a universal checkpoint's padded vocabulary where the new
+    tensor-parallel size divides it (train.checkpointing.keep_saved_vocab_padding); where it
+    does not, the new padding stands and the message names the flag."""
+    args = _args()
+    target = run_everywhere(universal_target, args.load, getattr(args, "ckpt_step", None))
+    if target is None or args.finetune:
+        return
+    from megatron_ucp.format.manifest import read_manifest
+
+    padded = run_everywhere(lambda: read_manifest(target[1]).layout.get("padded_vocab_size"))
+    tp = args.tensor_model_parallel_size
+    if not padded or padded == args.padded_vocab_size:
+        return
+    if padded >= true_vocab_size(args) and padded % tp == 0:
+        _print(f" keeping the checkpoint's padded vocabulary of {padded} rows (instead of "
+               f"{args.padded_vocab_size}): padding rows take part in the softmax")
+        args.padded_vocab_size = padded
+    else:
+        _print(f" WARNING: the checkpoint's padded vocabulary of {padded} rows does not divide over "
+               f"--tensor-model-parallel-size {tp}: padding to {args.padded_vocab_size} rows "
+               "(--make-vocab-size-divisible-by) changes the loss")
+
+
+def _initialize_megatron(*a, **k):
+    result = _ORIGINAL["initialize_megatron"](*a, **k)
+    adopt_padded_vocab()
+    return result
+
+
+def install() -> None:
+    for module in ("training", "checkpointing", "initialize", "async_utils"):
+        _megatron(module)
+    checkpointing, async_utils = _megatron("checkpointing"), _megatron("async_utils")
+    initialize = _megatron("initialize")
+    for name, module, replacement in (
+            ("save_checkpoint", checkpointing, save_checkpoint),
+            ("load_checkpoint", checkpointing, load_checkpoint),
+            ("load_args_from_checkpoint", checkpointing, load_args_from_checkpoint),
+            ("maybe_finalize_async_save", async_utils, maybe_finalize_async_save),
+            ("initialize_megatron", initialize, _initialize_megatron)):
+        _ORIGINAL[name] = getattr(module, name)
+        replace_everywhere(_ORIGINAL[name], replacement)

@@ -1,0 +1,74 @@
+"""CPU/gloo mode for Megatron-LM's trainer (`--cpu`): what megatron.training assumes of CUDA,
+answered for CPU processes. On top of megatron_ucp.mcore.cpu_mode (megatron-core's own
+assumptions); each accommodation names the megatron-core 0.19.2 line it answers. Enabled only
+by `python -m megatron_ucp.megatron_lm --cpu` (tests, demos); the GPU path never imports it.
+"""
+
+import importlib
+import os
+import types
+
+import torch
+
+from megatron_ucp.mcore import cpu_mode
+
+# Trainer modules that make tensors with a literal device='cuda' on the training path.
+_MODULES_WITH_CUDA_LITERALS = (
+    "megatron.training.training",  # start-time all-reduce (1131/1137), loss dict (2613/2884), exit-duration flag (3298)
+    "megatron.core.rerun_state_machine",  # result validation, every step (264/268)
+    "megatron.training.checkpointing",  # rank-count tensor (375)
+    "megatron.training.utils",  # loss averaging and report buffers
+)
+
+
+class _InitializeTorch(cpu_mode._TorchOnCpu):
+    """`torch` as megatron.training.initialize sees it: one CPU 'device' per process.
+
+    initialize.py:66 asserts torch.cuda.is_available() (pretrain passes no allow_no_cuda), and
+    270/352/447 skip the model-parallel groups and the RNG tracker when device_count() is 0.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.cuda = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1)
+        for name in ("set_device", "current_device", "synchronize", "empty_cache", "Stream",
+                     "set_stream", "get_rng_state", "set_rng_state"):
+            if hasattr(torch.cuda, name):
+                setattr(self.cuda, name, getattr(torch.cuda, name))
+
+
+def _no_cuda_generator():
+    """A CPU process has no CUDA generator: megatron saves and restores one every step
+    (rerun_state_machine.py:979/992) and in its checkpoints (checkpointing.py:417/2665/2677);
+    an empty state stands for it."""
+    torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda *a, **k: None
+
+
+def _stand_in_optimizer():
+    """megatron's distributed optimizer cannot load its torch_dist state into torch's AdamW
+    (distrib_optimizer: `assert len(steps) == 1`, KeyError 'step'); GPU runs use TE's FusedAdam,
+    whose contract the stand-in keeps (mcore/fused_adam_standin.py), for the whole process."""
+    from megatron_ucp.mcore import fused_adam_standin
+
+    fused_adam_standin.installed().__enter__()
+
+
+def enable() -> None:
+    """Turn the trainer's CPU mode on in this process (idempotent through cpu_mode)."""
+    if cpu_mode.is_enabled():
+        return
+    cpu_mode.enable()
+    for name in _MODULES_WITH_CUDA_LITERALS:
+        importlib.import_module(name).torch = cpu_mode._TorchOnCpu()
+    initialize = importlib.import_module("megatron.training.initialize")
+    initialize.torch = _InitializeTorch()
+    # initialize.py:494-558: the JIT warm-up of the fused bias-GeLU/dropout kernels runs on 'cuda'.
+    initialize._warmup_jit_function = lambda *a, **k: None
+    # arguments.py:1414: get_device_arch_version() asks torch.cuda.get_device_properties; a CPU
+    # process takes the pre-Blackwell answer, and with it 1437's demand for one CUDA stream
+    # connection under TP, which a process without CUDA streams meets as set.
+    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    _no_cuda_generator()
+    _stand_in_optimizer()
