@@ -80,7 +80,8 @@ class Run:
 def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout: int = 600,
         kill_after_iteration: int = None) -> Run:
     """Train BASE + `extra` to `iters` in `nproc` CPU processes; with `kill_after_iteration`,
-    SIGTERM the workers once that iteration's loss is logged (torchrun passes it on)."""
+    SIGTERM the whole process group once that iteration's loss is logged, as Slurm signals a
+    job step (torchrun itself then exits 1, its SignalException; the workers save and exit)."""
     workdir.mkdir(parents=True, exist_ok=True)
     for old in workdir.glob("losses.jsonl.rank*"):
         old.unlink()
@@ -98,7 +99,7 @@ def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         if kill_after_iteration in read_losses(workdir):
-            proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
+            os.killpg(proc.pid, signal.SIGTERM)
             break
         time.sleep(0.2)
     proc.wait(timeout=max(1, deadline - time.time()))

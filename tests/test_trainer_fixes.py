@@ -1,0 +1,57 @@
+"""The two megatron-core bugs the plug-in mends for GPU users too (megatron_lm/trainer_fixes.py),
+each reproduced on the installed wheel first, then shown mended."""
+
+import importlib
+import types
+
+import pytest
+import torch
+
+from megatron_ucp.megatron_lm import trainer_fixes
+
+
+@pytest.fixture
+def restore(monkeypatch):
+    """Whatever trainer_fixes patches is put back after the test."""
+    utils = importlib.import_module("megatron.core.datasets.utils")
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    monkeypatch.setattr(utils, "compile_helpers", utils.compile_helpers)
+    for name in ("load_parameter_state_from_dp_reshardable", "load_parameter_state_from_dp_zero"):
+        monkeypatch.setattr(distrib.DistributedOptimizer, name, getattr(distrib.DistributedOptimizer, name))
+    return utils, distrib
+
+
+def test_the_wheels_compiled_dataset_helpers_are_not_rebuilt(restore, capfd):
+    utils, _ = restore
+    with pytest.raises(SystemExit):  # the wheel ships no Makefile: megatron exits
+        utils.compile_helpers()
+    trainer_fixes.apply()
+    utils.compile_helpers()  # nothing to build: helpers_cpp imports
+    importlib.import_module("megatron.core.datasets.helpers_cpp")
+
+
+def _optimizer_loading_into_a_view(distrib):
+    """A stand-in DistributedOptimizer with one fp32 main parameter that is a view of its model
+    parameter (a leaf that requires grad), as megatron's fp32 distributed optimizer keeps it."""
+    model_param = torch.nn.Parameter(torch.zeros(4))
+    main_param = model_param.view(-1)
+    fake = types.SimpleNamespace(per_bucket_numel_unpadded=None,
+                                 gbuf_ranges=[{torch.float32: [{"param_map": {model_param: None}}]}])
+
+    def set_states(param, tensors):  # megatron's non-precision-aware branch: main_param.copy_()
+        main_param.copy_(tensors["param"])
+
+    fake._set_main_param_and_optimizer_states = set_states
+    state = {0: {torch.float32: [[{"padding": False, "param": torch.ones(4)}]]}}
+    return fake, state, model_param
+
+
+def test_dp_reshardable_state_copies_run_without_grad(restore):
+    _, distrib = restore
+    fake, state, model_param = _optimizer_loading_into_a_view(distrib)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        distrib.DistributedOptimizer.load_parameter_state_from_dp_reshardable(fake, state)
+    trainer_fixes.apply()
+    distrib.DistributedOptimizer.load_parameter_state_from_dp_reshardable(fake, state)
+    assert torch.equal(model_param.detach(), torch.ones(4))
+    assert getattr(distrib.DistributedOptimizer.load_parameter_state_from_dp_zero, "_ucp_no_grad", False)
