@@ -24,18 +24,18 @@ the same folder computes.
 import argparse
 import math
 import os
-import sys
 import time
 
 import numpy as np
 
 from megatron_ucp.convert import deepspeed_map as dsm
-from megatron_ucp.convert import safe_pickle
+from megatron_ucp.convert import safe_pickle, writer as stream_write
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
-from megatron_ucp.format import manifest as mf
+from megatron_ucp.format import manifest as mf, safe_files
 from megatron_ucp.format.layout import PADDING
 from megatron_ucp.format.tensor_entry import STATES, TensorEntry
+from megatron_ucp.mcore.optimizer_state import plain_groups
 
 STATE_FILES = {"param": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
 RECORD_KEYS = {"param", "cat_dim", "vocab_tensor", "param_n_sub_params", "sub_param_shape"}
@@ -67,8 +67,6 @@ STAND_INS = [(Opaque, name) for name in (
 def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):
     if mmap:
         return safe_pickle.load_file(path, what, root, mmap=True, stand_ins=STAND_INS)
-    from megatron_ucp.format import safe_files
-
     raw = safe_files.read_bounded(path, what, max_bytes, root)
     return safe_pickle.torch_load(raw, f"{what} {path}", stand_ins=STAND_INS)
 
@@ -126,8 +124,6 @@ def adam_groups(folder: str) -> list:
             raise ConfigError(f"{path}: AMSGrad (megatron-core's Adam has none)")
         if g.get("decoupled_weight_decay") is False and g.get("weight_decay"):
             raise ConfigError(f"{path}: Adam with L2 weight decay (torch Adam); megatron-core runs AdamW")
-    from megatron_ucp.mcore.optimizer_state import plain_groups
-
     return plain_groups(groups)
 
 
@@ -200,8 +196,6 @@ _OLD_SCHEDULER_NAMES = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps", 
 
 def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -> dict:
     """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours."""
-    from megatron_ucp.convert import writer as stream_write
-
     start = time.perf_counter()
     folder = os.path.abspath(folder)
     path, states = model_states(folder)
@@ -275,7 +269,13 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
                    scheduler=scheduler, args=given_args(argv), rng_saved=False, progress=progress_record,
                    source={"deepspeed": folder, "ds_version": str(states.get("ds_version")),
                            "zero_stage": zero_stage, "megatron_deepspeed_args": args})
-    summary = stream_write.write_checkpoint(output, iteration, metas, opener, head, {}, workers, progress, start)
+    fresh = not os.path.exists(output)
+    try:
+        summary = stream_write.write_checkpoint(output, iteration, metas, opener, head, {}, workers, progress, start)
+    except BaseException:
+        if fresh and os.path.isdir(output) and not os.listdir(output):
+            os.rmdir(output)  # made for this import, left empty by the failed write
+        raise
     summary["megatron_args"] = argv
     summary["step"] = step
     summary["consumed_samples"] = consumed

@@ -1,0 +1,232 @@
+"""DeepSpeed universal checkpoints imported (tools/import_deepspeed.py): a Megatron-DeepSpeed-style
+GPT trained by DeepSpeed ZeRO-1 on 2 CPU processes (tests/ds_gpt.py: GQA, SwiGLU, RMSNorm,
+RoPE, a padded vocabulary; untied, tied, and bf16 with BF16_Optimizer), saved at iteration 5 and
+converted by ds_to_universal, resumes on megatron-core on TP2, PP2 and DP2 with the distributed
+optimizer with DeepSpeed's own continuation's losses (iterations 6-10).
+
+DeepSpeed is the `deepspeed` extra (CI installs it; its CPU communication op is JIT-built once
+into the venv's torch_extensions/). Nothing is downloaded.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("deepspeed")
+import torch  # noqa: E402
+
+from harness import REPO, losses, max_loss_delta, run_steps  # noqa: E402
+from megatron_ucp.convert import deepspeed_map as dsm  # noqa: E402
+from megatron_ucp.convert.deepspeed import import_  # noqa: E402
+from megatron_ucp.errors import ConfigError, FormatError  # noqa: E402
+from megatron_ucp.format.manifest import read_manifest  # noqa: E402
+
+TOL = 1e-4
+BF16_TOL = 1e-3  # test_resume_matrix.BF16_TOL: bf16 matmuls round differently when TP splits them
+RUN = dict(iters=10, save_at=5, mbs=2, gbs=8, lr=5e-3, vocab=250, seq=16)
+VARIANTS = {"fp32_untied": dict(tied=False, bf16=False), "fp32_tied": dict(tied=True, bf16=False),
+            "bf16_untied": dict(tied=False, bf16=True)}
+LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
+           "dp2_distopt": ["--use-distributed-optimizer"]}
+# megatron-core's run: the stored flags give model, AdamW and schedule; this, the rest.
+MC = ["--cpu", "--mock-data", "--seed", "7", "--log-interval", "1000", "--micro-batch-size", "2", "--clip-grad", "0"]
+
+
+def ds_env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                # DeepSpeed's CPU comm op is JIT-built on first use: cached beside the venv's packages
+                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                    os.path.join(sys.prefix, "torch_extensions")))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ds")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(work):
+    """Every variant trained, saved at 5, converted and resumed by DeepSpeed (one torchrun group)."""
+    from harness import free_port
+
+    spec = {"root": str(work), "result": str(work / "ds_result.json"),
+            "variants": [dict(RUN, name=n, **v) for n, v in VARIANTS.items()]}
+    (work / "ds_spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(REPO / "tests" / "ds_gpt.py"), str(work / "ds_spec.json")],
+                          env=ds_env(), cwd=work, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {n: {k: ({int(i): x for i, x in r[k].items()} if k != "universal" else r[k]) for k in r}
+            for n, r in json.loads((work / "ds_result.json").read_text()).items()}
+
+
+@pytest.fixture(scope="module")
+def imported(work, deepspeed_runs):
+    """Each variant imported (the untied fp32 one by the command line): {name: (folder, flags)}."""
+    out = {}
+    for name, run in deepspeed_runs.items():
+        target = work / f"u_{name}"
+        if name == "fp32_untied":
+            env = dict(os.environ, PYTHONPATH=str(REPO))
+            proc = subprocess.run([sys.executable, str(REPO / "tools" / "import_deepspeed.py"), run["universal"],
+                                   str(target), "--no-progress"], capture_output=True, text=True, env=env,
+                                  timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "imported iteration 5 (Adam step 5, 40 samples consumed)" in proc.stdout, proc.stdout
+            flags = proc.stdout.split("flags: ", 1)[1].split()
+        else:
+            flags = import_(run["universal"], str(target), progress=False)["megatron_args"]
+        out[name] = (target, flags)
+    return out
+
+
+@pytest.fixture(scope="module")
+def group(work, imported):
+    steps = []
+    for name, (folder, flags) in imported.items():
+        for layout, extra in LAYOUTS.items():
+            argv = MC + flags + extra + ["--load", str(folder), "--ckpt-step", "5", "--load-universal"]
+            if VARIANTS[name]["bf16"]:
+                argv.append("--bf16")
+            steps.append({"name": f"{name}_{layout}", "op": "train", "argv": argv})
+    return run_steps(2, steps, work / "mc")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume(deepspeed_runs, group, variant, layout):
+    """megatron-core resumed from the import trains iterations 6-10 as DeepSpeed resumed from
+    its own universal folder does."""
+    reference = deepspeed_runs[variant]["continued"]
+    resumed = losses(group, f"{variant}_{layout}")
+    assert sorted(resumed) == list(range(6, 11)), sorted(resumed)
+    delta = max_loss_delta(reference, resumed)
+    print(f"{variant} on {layout}: max |loss - DeepSpeed's| over iterations 6-10: {delta:.2e}")
+    assert delta <= (BF16_TOL if VARIANTS[variant]["bf16"] else TOL)
+
+
+def _ds_state(universal, name, state="fp32"):
+    return torch.load(Path(universal) / "zero" / name / f"{state}.pt", weights_only=True)["param"].detach().numpy()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_import_state(deepspeed_runs, imported, variant):
+    """The manifest's iteration, samples, step and scheduler; every tensor the DeepSpeed file's,
+    bit for bit, padding rows zero; bf16's masters are the fp32 ones, not the bf16 weights."""
+    from safetensors.numpy import load_file
+
+    universal = deepspeed_runs[variant]["universal"]
+    folder = imported[variant][0] / "iter_0000005"
+    m = read_manifest(str(folder))
+    assert (m.iteration, m.consumed_samples, m.optimizer["step"]) == (5, 40, 5)
+    assert m.scheduler["num_steps"] == 40 and m.rng_saved is False
+    assert ("output_layer.weight" in m.tensors) == (not VARIANTS[variant]["tied"])
+    names = dsm.megatron_names(p.name for p in (Path(universal) / "zero").iterdir() if p.is_dir())
+    assert sorted(names.values()) == sorted(m.tensors)
+    for ds, mc in names.items():
+        tensors = load_file(str(folder / m.tensors[mc].file))
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            mine = tensors["param" if state == "fp32" else state]
+            assert np.array_equal(mine.view(np.uint32), _ds_state(universal, ds, state).view(np.uint32)), (mc, state)
+        if mc in dsm.VOCAB:
+            assert m.tensors[mc].padding_rows == 6 and not tensors["padding.param"].any()
+    if VARIANTS[variant]["bf16"]:  # fp32 masters: most are not bf16 numbers
+        qkv = load_file(str(folder / m.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].file))["param"]
+        assert (qkv.view(np.uint32) & 0xFFFF).any()
+
+
+def _evil(marker: Path):
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    return Payload()
+
+
+@pytest.mark.parametrize("target", ["zero/optimizer_state.pt", "zero/{param}/fp32.pt"])
+def test_pickle_payload_refused(work, deepspeed_runs, target):
+    """A payload planted in the optimizer state or a parameter's fp32.pt runs nothing and is
+    refused naming the file; no output is left."""
+    source = Path(deepspeed_runs["fp32_untied"]["universal"])
+    bad = work / f"evil_{target.split('/')[-1]}"
+    shutil.copytree(source, bad)
+    marker = work / f"ran_{bad.name}"
+    path = bad / target.format(param="language_model.encoder.layers.1.mlp.dense_h_to_4h.weight")
+    torch.save({"param": torch.zeros(96, 32), "cat_dim": 0, "param_n_sub_params": 2, "x": _evil(marker)}, path)
+    with pytest.raises(FormatError, match=f"{path}: refused to unpickle posix.system"):
+        import_(str(bad), str(work / f"out_{bad.name}"), progress=False)
+    assert not marker.exists() and not (work / f"out_{bad.name}").exists()
+
+
+# ---- the mapping, without DeepSpeed runs ---------------------------------------------------------
+
+ARGS = dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+            kv_channels=8, seq_length=16, swiglu=True, normalization="rmsnorm", layernorm_epsilon=1e-5,
+            use_rotary_position_embeddings=True, untie_embeddings_and_output_weights=False, add_bias_linear=False)
+UC = {"original_vocab_size": 250, "padded_vocab_size": 256}
+LAYER_PARAMS = ["input_layernorm.weight", "self_attention.query_key_value.weight", "self_attention.dense.weight",
+                "post_attention_layernorm.weight", "mlp.dense_h_to_4h.weight", "mlp.dense_4h_to_h.weight"]
+
+
+def test_pipeline_names():
+    """GPTModelPipe's names: the tied embedding, layer specs from 2, the final norm's spec after
+    them; numbered from what the names show."""
+    names = ["tied_modules.embed.word_embeddings.weight"] + [f"{i + 2}.{p}" for i in range(2) for p in LAYER_PARAMS]
+    names.append("4.weight")
+    mapping = dsm.megatron_names(names)
+    assert mapping["3.mlp.dense_h_to_4h.weight"] == "decoder.layers.1.mlp.linear_fc1.weight"
+    assert mapping["2.input_layernorm.weight"] == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    assert mapping["4.weight"] == "decoder.final_layernorm.weight"
+    model = dsm.from_args(ARGS, UC, names, "ckpt")
+    dsm.check_names(model, mapping)
+    untied = ["1.word_embeddings.weight"] + names[1:] + ["5.lm_head.weight"]
+    assert dsm.megatron_names(untied)["5.lm_head.weight"] == "output_layer.weight"
+    dsm.check_names(dsm.from_args(dict(ARGS, untie_embeddings_and_output_weights=True), UC, untied, "ckpt"),
+                    dsm.megatron_names(untied))
+
+
+@pytest.mark.parametrize("names,named", [
+    (["language_model.encoder.layers.0.mlp.gate.weight"], "language_model.encoder.layers.0.mlp.gate.weight"),
+    (["2.input_layernorm.weight", "3.input_layernorm.weight", "3.foo.weight"], "3.foo.weight"),
+    (["2.input_layernorm.weight", "4.input_layernorm.weight"], "not consecutive"),
+    (["tied_modules.embed.word_embeddings.norm.weight"], "tied_modules.embed.word_embeddings.norm.weight"),
+])
+def test_unknown_names_refused(names, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        dsm.megatron_names(names)
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(apply_layernorm_1p=True), "apply_layernorm_1p"),
+    (dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm"),
+    (dict(num_experts=[4]), "mixture of experts"),
+    (dict(use_rotary_position_embeddings=False), "neither rotary nor learned"),
+    (dict(rotary_percent=0.5), "rotary_percent 0.5"),
+    (dict(normalization="scalenorm"), "normalization 'scalenorm'"),
+])
+def test_options_refused(change, named):
+    with pytest.raises(ConfigError, match=named):
+        dsm.from_args(dict(ARGS, **change), UC, [], "ckpt")
+
+
+def test_merge_records_checked():
+    """Under TP, SwiGLU halves merged as one tensor (interleaved per rank), a row-parallel weight
+    merged on rows, a wrong shape, a vocabulary mark missing: each refused naming the parameter."""
+    model = dsm.from_args(ARGS, UC, [], "ckpt")
+    fc1, proj = "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_proj.weight"
+    dsm.check_record("x.fc1", fc1, {"cat_dim": 0, "param_n_sub_params": 2}, (96, 32), model, tp=2)
+    dsm.check_record("x.fc1", fc1, {"cat_dim": 0}, (96, 32), model, tp=1)  # one rank: nothing interleaved
+    cases = [("x.fc1", fc1, {"cat_dim": 0}, (96, 32), "parameter_with_2_sub_params_cat_dim_0"),
+             ("x.dense", proj, {"cat_dim": 0}, (32, 32), "row-parallel"),
+             ("x.dense", proj, {"cat_dim": 1}, (32, 16), r"shape \[32, 16\]"),
+             ("x.emb", "embedding.word_embeddings.weight", {"cat_dim": 0}, (250, 32), "vocab_tensor is unset")]
+    for ds, mc, record, shape, named in cases:
+        with pytest.raises(ConfigError, match=named) as e:
+            dsm.check_record(ds, mc, record, shape, model, tp=2)
+        assert ds in str(e.value)
