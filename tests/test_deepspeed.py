@@ -82,7 +82,9 @@ def imported(work, deepspeed_runs):
             assert "imported iteration 5 (Adam step 5, 40 samples consumed)" in proc.stdout, proc.stdout
             flags = proc.stdout.split("flags: ", 1)[1].split()
         else:
-            flags = import_(run["universal"], str(target), progress=False)["megatron_args"]
+            summary = import_(run["universal"], str(target), progress=False)
+            flags = summary["megatron_args"]
+            out[f"{name}_checkpoint_args"] = summary["training_args"]
         out[name] = (target, flags)
     return out
 
@@ -90,8 +92,11 @@ def imported(work, deepspeed_runs):
 @pytest.fixture(scope="module")
 def group(work, imported):
     steps = []
-    for name, (folder, flags) in imported.items():
+    for name in VARIANTS:
+        folder, flags = imported[name]
         for layout, extra in LAYOUTS.items():
+            if name == "fp32_tied" and layout == "pp2":  # the model's flags from the manifest
+                flags = imported[f"{name}_checkpoint_args"] + ["--use-checkpoint-args"]
             argv = MC + flags + extra + ["--load", str(folder), "--ckpt-step", "5", "--load-universal"]
             if VARIANTS[name]["bf16"]:
                 argv.append("--bf16")
@@ -149,10 +154,10 @@ def _evil(marker: Path):
     return Payload()
 
 
-@pytest.mark.parametrize("target", ["zero/optimizer_state.pt", "zero/{param}/fp32.pt"])
+@pytest.mark.parametrize("target", ["zero/optimizer_state.pt", "zero/{param}/fp32.pt", "mp_rank_00_model_states.pt"])
 def test_pickle_payload_refused(work, deepspeed_runs, target):
-    """A payload planted in the optimizer state or a parameter's fp32.pt runs nothing and is
-    refused naming the file; no output is left."""
+    """A payload planted in the optimizer state, a parameter's fp32.pt or the model states runs
+    nothing and is refused naming the file; no output is left."""
     source = Path(deepspeed_runs["fp32_untied"]["universal"])
     bad = work / f"evil_{target.split('/')[-1]}"
     shutil.copytree(source, bad)
@@ -225,8 +230,60 @@ def test_merge_records_checked():
     cases = [("x.fc1", fc1, {"cat_dim": 0}, (96, 32), "parameter_with_2_sub_params_cat_dim_0"),
              ("x.dense", proj, {"cat_dim": 0}, (32, 32), "row-parallel"),
              ("x.dense", proj, {"cat_dim": 1}, (32, 16), r"shape \[32, 16\]"),
-             ("x.emb", "embedding.word_embeddings.weight", {"cat_dim": 0}, (250, 32), "vocab_tensor is unset")]
+             ("x.emb", "embedding.word_embeddings.weight", {"cat_dim": 0}, (250, 32), "vocab_tensor is unset"),
+             ("x.qkv", "decoder.layers.0.self_attention.linear_qkv.weight", {"cat_dim": 0, "sub_param_shape": object()},
+              (64, 32), "fused sub-parameters")]
     for ds, mc, record, shape, named in cases:
         with pytest.raises(ConfigError, match=named) as e:
             dsm.check_record(ds, mc, record, shape, model, tp=2)
         assert ds in str(e.value)
+
+
+def test_fifo_refused(work, deepspeed_runs):
+    """A state file that is a FIFO (a read would block forever) is refused, naming it."""
+    bad = work / "fifo"
+    shutil.copytree(deepspeed_runs["fp32_untied"]["universal"], bad)
+    path = bad / "zero" / "language_model.encoder.final_layernorm.weight" / "exp_avg.pt"
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(FormatError, match=f"{path} is a FIFO, expected a regular file"):
+        import_(str(bad), str(work / "out_fifo"), progress=False)
+
+
+class _Enum:
+    """Pickles as megatron.enums.PositionEmbeddingType(value), as Megatron-DeepSpeed forks' args do."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _Enum, (self.value,)
+
+
+@pytest.mark.parametrize("value,rope", [(1, True), (3, None)])
+def test_position_embedding_enum(tmp_path, monkeypatch, value, rope):
+    """Megatron-DeepSpeed's position embedding enum in args is read as its member's name into an
+    inert stand-in: rotary maps to RoPE, ALiBi is refused."""
+    import argparse
+    import types
+
+    from megatron_ucp.convert import deepspeed as ds
+
+    fake = types.ModuleType("megatron.enums")
+    _Enum.__module__, _Enum.__qualname__ = "megatron.enums", "PositionEmbeddingType"
+    fake.PositionEmbeddingType = _Enum
+    monkeypatch.setitem(sys.modules, "megatron.enums", fake)
+    try:
+        torch.save({"args": argparse.Namespace(position_embedding_type=_Enum(value))}, tmp_path / "m.pt")
+    finally:
+        _Enum.__module__, _Enum.__qualname__ = __name__, "_Enum"
+    monkeypatch.delitem(sys.modules, "megatron.enums")
+    loaded = ds._load(str(tmp_path / "m.pt"), "model states", str(tmp_path), 2**20)
+    kind = ds._plain(loaded["args"].position_embedding_type)
+    assert kind == {1: "rotary", 3: "alibi"}[value]
+    args = dict(ARGS, use_rotary_position_embeddings=False, position_embedding_type=kind)
+    if rope:
+        assert dsm.from_args(args, UC, [], "ckpt").rope
+    else:
+        with pytest.raises(ConfigError, match="position_embedding_type 'alibi'"):
+            dsm.from_args(args, UC, [], "ckpt")

@@ -54,14 +54,24 @@ class Opaque:
         self.state = state
 
 
+class PositionEmbeddingType(Opaque):
+    """Megatron-DeepSpeed's `args.position_embedding_type` enum (its forks' `enums.py`:
+    rotary = 1, absolute = 2, alibi = 3), read as its member's name."""
+
+    NAMES = {1: "rotary", 2: "absolute", 3: "alibi"}
+
+    def name(self):
+        return self.NAMES.get(self.args[0] if len(self.args) == 1 else None, f"unknown {self.args!r}")
+
+
 # What `zero/optimizer_state.pt` names besides torch's own types (DeepSpeed 0.19: ZeRO-1/2 and
-# BF16_Optimizer saves), and the enum `args.position_embedding_type` of Megatron-DeepSpeed.
+# BF16_Optimizer saves), and the position embedding enum of Megatron-DeepSpeed's args.
 STAND_INS = [(Opaque, name) for name in (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "megatron.model.enums.PositionEmbeddingType",
-)]
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # an fp32.pt's record, refused by name
+)] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType") for module in ("megatron.enums", "megatron.model.enums")]
 
 
 def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):
@@ -73,6 +83,8 @@ def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):
 
 def _plain(value):
     """A value of Megatron-DeepSpeed's args as JSON-able data (stand-ins as their text)."""
+    if isinstance(value, PositionEmbeddingType):
+        return value.name()
     if isinstance(value, Opaque):
         return f"<{value.args!r}>"
     if isinstance(value, (list, tuple)):
@@ -216,6 +228,11 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
     pp = int(dims.get("pp_degree", args.get("pipeline_model_parallel_size", 1)))
     shapes = dsm.expected(model)
     by_mc = {mc: ds for ds, mc in mapping.items()}
+    for group in states.get("param_shapes") or []:  # the saving ranks' shapes: padded vocabulary rows
+        for ds, local in (group.items() if isinstance(group, dict) else ()):
+            if mapping.get(ds) in dsm.VOCAB and int(local[0]) * tp != model.padded_vocab_size:
+                raise FormatError(f"{path}: {ds} has {int(local[0])} rows on each of {tp} TP ranks, "
+                                  f"universal_checkpoint_info says the padded vocabulary is {model.padded_vocab_size}")
 
     steps = {read_step(os.path.join(folder, "zero", ds, "step.pt"), folder) for ds in names}
     if len(steps) != 1:
@@ -256,7 +273,8 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
 
     make_divisible = args.get("make_vocab_size_divisible_by")
     model_argv = dsm.megatron_args(model, make_divisible if isinstance(make_divisible, int) else None)
-    argv = model_argv + training_flags(scheduler, groups, args, path)
+    training_argv = training_flags(scheduler, groups, args, path)
+    argv = model_argv + training_argv
     zero_stage = (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage")
     layout = mf.Layout(world_size=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                        virtual_pipeline_model_parallel_size=None, data_parallel_size=states.get("dp_world_size"),
@@ -277,6 +295,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
             os.rmdir(output)  # made for this import, left empty by the failed write
         raise
     summary["megatron_args"] = argv
+    summary["training_args"] = training_argv  # the rest, model flags aside (--use-checkpoint-args)
     summary["step"] = step
     summary["consumed_samples"] = consumed
     return summary

@@ -86,7 +86,10 @@ def from_args(args: dict, uc_info: dict, names, where: str) -> Model:
         diffs.append(f"rotary_percent {args.get('rotary_percent')} (partial rotary)")
     names = set(names)
     learned = any(n.endswith("position_embeddings.weight") for n in names)
-    rope = bool(args.get("use_rotary_position_embeddings"))
+    kind = args.get("position_embedding_type")  # its enum's member name (deepspeed.py), in forks that have it
+    rope = bool(args.get("use_rotary_position_embeddings")) or kind == "rotary"
+    if kind not in (None, "rotary", "absolute"):
+        diffs.append(f"position_embedding_type {kind!r}")
     if rope and learned:
         diffs.append("both rotary and learned position embeddings")
     if not rope and not learned:
@@ -266,11 +269,11 @@ def check_record(ds_name: str, mc_name: str, record: dict, shape, m: Model, tp: 
     """One fp32.pt's merge record and shape fit the atomic tensor: the TP merge kept megatron's
     row orders (column-parallel on rows, row-parallel on columns, SwiGLU halves as two
     sub-parameters), the vocabulary rows are the true ones."""
+    if "sub_param_shape" in record:
+        _refuse(ds_name, "stored as fused sub-parameters of uneven shapes (sub_param_shape); not mapped")
     want = expected(m)[mc_name]
     if tuple(shape) != want:
         _refuse(ds_name, f"shape {list(shape)}, the model needs {list(want)} for {mc_name!r}")
-    if "sub_param_shape" in record:
-        _refuse(ds_name, "stored as fused sub-parameters of uneven shapes (sub_param_shape); not mapped")
     vocab = mc_name in VOCAB
     if bool(record.get("vocab_tensor")) != vocab:
         _refuse(ds_name, "vocab_tensor is " + ("set" if record.get("vocab_tensor") else "unset") +
