@@ -9,6 +9,10 @@ non-interleaved RoPE -> causal attention -> dense, RMSNorm -> SwiGLU `dense_h_to
 -> `dense_4h_to_h`, a final RMSNorm and the output layer (or the tied embedding), cross-entropy
 over the padded vocabulary averaged over tokens. Batches are megatron_ucp's mock samples split
 as Megatron's sampler splits them, so megatron-core trains on the same tokens after a resume.
+A variant with `tp: 2` splits the model as Megatron-DeepSpeed does (each rank: whole query
+groups, its [gate_r; up_r] rows, its vocabulary rows; row-parallel `dense`/`dense_4h_to_h`) and
+gives DeepSpeed the groups through an `mpu`, so the save has one model-states file per TP rank
+and ds_to_universal merges them by `universal_checkpoint_info`.
 
 For each variant of SPEC it trains to `iters`, saving at `save_at` with Megatron-DeepSpeed's
 client state (`args`, `iteration`, `universal_checkpoint_info`), converts that save with
@@ -33,20 +37,71 @@ from torch import nn
 from megatron_ucp.train.data import build_dataset, microbatches
 
 
+# ---- tensor parallelism as Megatron-DeepSpeed's (tp > 1): whole query groups, [gate_r; up_r],
+# vocabulary rows split over the ranks of `c.group` -----------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All ranks' last-dim slices, concatenated; a rank's gradient is its own slice's."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, tp):
+        ctx.rank, ctx.tp = rank, tp
+        parts = [torch.empty_like(x) for _ in range(tp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.tp, dim=-1)[ctx.rank].contiguous(), None, None, None
+
+
+def copy_to_tp(x, c):
+    return _CopyToTP.apply(x, c.group) if c.tp > 1 else x
+
+
+def reduce_from_tp(x, c):
+    return _ReduceFromTP.apply(x, c.group) if c.tp > 1 else x
+
+
 class Attention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.c = c
-        rows = (c.heads + 2 * c.groups) * c.kv_channels
+        rows = (c.heads + 2 * c.groups) * c.kv_channels // c.tp
         self.query_key_value = nn.Linear(c.hidden, rows, bias=False)
-        self.dense = nn.Linear(c.heads * c.kv_channels, c.hidden, bias=False)
+        self.dense = nn.Linear(c.heads * c.kv_channels // c.tp, c.hidden, bias=False)
 
     def forward(self, x, cos, sin):
         c = self.c
         b, s, _ = x.shape
-        per = c.heads // c.groups
-        qkv = self.query_key_value(x).view(b, s, c.groups, per + 2, c.kv_channels)
-        q = qkv[:, :, :, :per].reshape(b, s, c.heads, c.kv_channels)
+        per, heads, groups = c.heads // c.groups, c.heads // c.tp, c.groups // c.tp
+        qkv = self.query_key_value(copy_to_tp(x, c)).view(b, s, groups, per + 2, c.kv_channels)
+        q = qkv[:, :, :, :per].reshape(b, s, heads, c.kv_channels)
         k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
@@ -54,8 +109,8 @@ class Attention(nn.Module):
         scores = q @ k.transpose(-1, -2) / math.sqrt(c.kv_channels)
         mask = torch.ones(s, s, dtype=torch.bool).triu(1)
         probs = torch.softmax(scores.float().masked_fill(mask, -10000.0), dim=-1).to(q.dtype)
-        out = (probs @ v).transpose(1, 2).reshape(b, s, c.heads * c.kv_channels)
-        return self.dense(out)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, heads * c.kv_channels)
+        return reduce_from_tp(self.dense(out), c)
 
 
 def rope(t, cos, sin):
@@ -67,12 +122,13 @@ def rope(t, cos, sin):
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(c.hidden, 2 * c.ffn, bias=False)
-        self.dense_4h_to_h = nn.Linear(c.ffn, c.hidden, bias=False)
+        self.c = c
+        self.dense_h_to_4h = nn.Linear(c.hidden, 2 * c.ffn // c.tp, bias=False)
+        self.dense_4h_to_h = nn.Linear(c.ffn // c.tp, c.hidden, bias=False)
 
     def forward(self, x):
-        gate, up = torch.chunk(self.dense_h_to_4h(x), 2, dim=-1)
-        return self.dense_4h_to_h(F.silu(gate) * up)
+        gate, up = torch.chunk(self.dense_h_to_4h(copy_to_tp(x, self.c)), 2, dim=-1)
+        return reduce_from_tp(self.dense_4h_to_h(F.silu(gate) * up), self.c)
 
 
 class Layer(nn.Module):
@@ -98,7 +154,7 @@ class Encoder(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.word_embeddings = nn.Embedding(c.padded_vocab, c.hidden)
+        self.word_embeddings = nn.Embedding(c.padded_vocab // c.tp, c.hidden)
 
 
 class LanguageModel(nn.Module):
@@ -107,7 +163,7 @@ class LanguageModel(nn.Module):
         self.embedding = Embedding(c)
         self.encoder = Encoder(c)
         if not c.tied:
-            self.output_layer = nn.Linear(c.hidden, c.padded_vocab, bias=False)
+            self.output_layer = nn.Linear(c.hidden, c.padded_vocab // c.tp, bias=False)
 
 
 class GPT(nn.Module):
@@ -129,14 +185,70 @@ class GPT(nn.Module):
                     p.normal_(0, 0.02)
 
     def forward(self, tokens, labels):
-        lm = self.language_model
-        x = lm.embedding.word_embeddings(tokens)
+        c, lm = self.c, self.language_model
+        rows = c.padded_vocab // c.tp
+        first = c.rank * rows
+        mine = (tokens >= first) & (tokens < first + rows)
+        x = lm.embedding.word_embeddings(torch.where(mine, tokens - first, 0)) * mine.unsqueeze(-1)
+        x = reduce_from_tp(x, c)
         for layer in lm.encoder.layers:
             x = layer(x, self.cos, self.sin)
-        x = lm.encoder.final_layernorm(x)
-        weight = lm.embedding.word_embeddings.weight if self.c.tied else lm.output_layer.weight
+        x = copy_to_tp(lm.encoder.final_layernorm(x), c)
+        weight = lm.embedding.word_embeddings.weight if c.tied else lm.output_layer.weight
         logits = (x @ weight.t()).float()
+        if c.tp > 1:
+            logits = _GatherFromTP.apply(logits, c.group, c.rank, c.tp)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def tp_slice(name: str, full: torch.Tensor, c) -> torch.Tensor:
+    """The TP rank's part of a full parameter, as Megatron-DeepSpeed splits it."""
+    if c.tp == 1 or full.dim() == 1:
+        return full
+    if name.endswith("dense_h_to_4h.weight"):  # each rank: its gate rows, then its up rows
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(c.tp, dim=0)[c.rank], up.chunk(c.tp, dim=0)[c.rank]])
+    dim = 1 if name.endswith(("self_attention.dense.weight", "dense_4h_to_h.weight")) else 0
+    return full.chunk(c.tp, dim=dim)[c.rank]
+
+
+class MPU:
+    """The model-parallel groups DeepSpeed asks for: TP over consecutive ranks, DP across them."""
+
+    def __init__(self, tp):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp, self.rank, self.world = tp, rank, world
+        tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
+        dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+        self.tp_group, self.dp_group = tp_groups[rank // tp], dp_groups[rank % tp]
+
+    def get_model_parallel_rank(self):
+        return self.rank % self.tp
+
+    def get_model_parallel_world_size(self):
+        return self.tp
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.rank - self.rank % self.tp
+
+    def get_data_parallel_rank(self):
+        return self.rank // self.tp
+
+    def get_data_parallel_world_size(self):
+        return self.world // self.tp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self):
+        return list(range(self.rank % self.tp, self.world, self.tp))
 
 
 UC_INFO = {  # what Megatron-DeepSpeed's GPTModel.universal_checkpoint_info() lists, for TP1
@@ -152,9 +264,11 @@ UC_INFO = {  # what Megatron-DeepSpeed's GPTModel.universal_checkpoint_info() li
 }
 
 
-def config(v):
+def config(v, mpu=None):
+    tp = mpu.tp if mpu else 1
     return argparse.Namespace(layers=2, hidden=32, heads=4, groups=2, kv_channels=8, ffn=48, vocab=250,
-                              padded_vocab=256, seq=16, eps=1e-5, rope_theta=10000, tied=v["tied"])
+                              padded_vocab=256, seq=16, eps=1e-5, rope_theta=10000, tied=v["tied"], tp=tp,
+                              rank=mpu.get_model_parallel_rank() if mpu else 0, group=mpu.tp_group if mpu else None)
 
 
 def mds_args(c, v, consumed):
@@ -166,18 +280,22 @@ def mds_args(c, v, consumed):
         swiglu=True, normalization="rmsnorm", layernorm_epsilon=c.eps, use_rotary_position_embeddings=True,
         rope_theta=c.rope_theta, untie_embeddings_and_output_weights=not c.tied, add_bias_linear=False,
         apply_layernorm_1p=False, apply_residual_connection_post_layernorm=False, rotary_percent=1.0,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, micro_batch_size=v["mbs"],
+        tensor_model_parallel_size=c.tp, pipeline_model_parallel_size=1, micro_batch_size=v["mbs"],
         global_batch_size=v["gbs"], consumed_train_samples=consumed, train_iters=v["iters"], lr=v["lr"],
         min_lr=0.0, lr_decay_style="constant", weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
         adam_eps=1e-8, clip_grad=0.0, bf16=v["bf16"], fp16=False, seed=7, iteration=v["save_at"])
 
 
-def engine_for(c, v, load_universal=False):
+def engine_for(c, v, mpu, load_universal=False):
     import deepspeed
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     torch.manual_seed(1 if not load_universal else 99)  # the resumed model starts elsewhere
-    model = GPT(c)
+    model = GPT(config(v))  # one initialisation, each TP rank keeping its part
+    if c.tp > 1:
+        full = model.state_dict()
+        model = GPT(c)
+        model.load_state_dict({k: tp_slice(k, t, c) for k, t in full.items()})
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() == 1]
     groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
@@ -188,24 +306,25 @@ def engine_for(c, v, load_universal=False):
                                         lr_decay_steps=steps, lr_decay_style="constant", start_wd=0.01,
                                         end_wd=0.01, wd_incr_steps=steps, wd_incr_style="constant")
     cfg = {"train_micro_batch_size_per_gpu": v["mbs"], "steps_per_print": 10**9, "gradient_clipping": 0.0,
-           "gradient_accumulation_steps": v["gbs"] // (v["mbs"] * dist.get_world_size()),
+           "gradient_accumulation_steps": v["gbs"] // (v["mbs"] * dist.get_world_size() // c.tp),
            "zero_optimization": {"stage": 1}}
     if v["bf16"]:  # Megatron-DeepSpeed's set-up: BF16_Optimizer, fp32 gradient accumulation
         cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     if load_universal:
         cfg["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg,
+                                           mpu=mpu)
     return engine
 
 
-def train(engine, v, first, last):
+def train(engine, v, first, last, tp):
     """Iterations first..last; returns {iteration: loss averaged over the global batch}."""
     dataset = build_dataset(None, True, v["vocab"], v["seq"], 7)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = {}
     for it in range(first, last + 1):
-        total = torch.zeros(1, dtype=torch.float64)
-        batches = microbatches(dataset, (it - 1) * v["gbs"], v["gbs"], v["mbs"], rank, world)
+        total = torch.zeros(1, dtype=torch.float64)  # TP ranks hold the same loss: averaged too
+        batches = microbatches(dataset, (it - 1) * v["gbs"], v["gbs"], v["mbs"], rank // tp, world // tp)
         for batch in batches:
             loss = engine(batch["tokens"], batch["labels"])
             engine.backward(loss)
@@ -217,10 +336,11 @@ def train(engine, v, first, last):
 
 
 def run_variant(v, root):
-    c = config(v)
+    mpu = MPU(v["tp"]) if v.get("tp", 1) > 1 else None
+    c = config(v, mpu)
     save = os.path.join(root, v["name"])
-    engine = engine_for(c, v)
-    losses = train(engine, v, 1, v["save_at"])
+    engine = engine_for(c, v, mpu)
+    losses = train(engine, v, 1, v["save_at"], c.tp)
     tag = f"global_step{v['save_at']}"
     info = dict(UC_INFO, original_vocab_size=c.vocab, padded_vocab_size=c.padded_vocab)
     if c.tied:  # ds_to_universal refuses a pattern no parameter matches
@@ -228,7 +348,7 @@ def run_variant(v, root):
     state = {"args": mds_args(c, v, v["save_at"] * v["gbs"]), "iteration": v["save_at"],
              "checkpoint_version": 3.0, "universal_checkpoint_info": info}
     engine.save_checkpoint(save, tag=tag, client_state=state)
-    losses.update(train(engine, v, v["save_at"] + 1, v["iters"]))
+    losses.update(train(engine, v, v["save_at"] + 1, v["iters"], c.tp))
     universal = os.path.join(save, tag + "_universal")
     if dist.get_rank() == 0:
         subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
@@ -236,10 +356,10 @@ def run_variant(v, root):
                        stdout=subprocess.DEVNULL)
     dist.barrier()
     del engine
-    resumed = engine_for(c, v, load_universal=True)
+    resumed = engine_for(c, v, mpu, load_universal=True)
     _, client = resumed.load_checkpoint(save, tag=tag + "_universal")
     assert client["iteration"] == v["save_at"], client.get("iteration")
-    continued = train(resumed, v, v["save_at"] + 1, v["iters"])
+    continued = train(resumed, v, v["save_at"] + 1, v["iters"], c.tp)
     return {"losses": losses, "continued": continued, "universal": universal}
 
 

@@ -2,7 +2,9 @@
 GPT trained by DeepSpeed ZeRO-1 on 2 CPU processes (tests/ds_gpt.py: GQA, SwiGLU, RMSNorm,
 RoPE, a padded vocabulary; untied, tied, and bf16 with BF16_Optimizer), saved at iteration 5 and
 converted by ds_to_universal, resumes on megatron-core on TP2, PP2 and DP2 with the distributed
-optimizer with DeepSpeed's own continuation's losses (iterations 6-10).
+optimizer with DeepSpeed's own continuation's losses (iterations 6-10); a TP2 DeepSpeed run (its own
+tensor parallelism: whole query groups per rank, SwiGLU halves per rank, split vocabulary) resumes
+on PP2 and DP2.
 
 DeepSpeed is the `deepspeed` extra (CI installs it; its CPU communication op is JIT-built once
 into the venv's torch_extensions/). Nothing is downloaded.
@@ -31,7 +33,9 @@ TOL = 1e-4
 BF16_TOL = 1e-3  # test_resume_matrix.BF16_TOL: bf16 matmuls round differently when TP splits them
 RUN = dict(iters=10, save_at=5, mbs=2, gbs=8, lr=5e-3, vocab=250, seq=16)
 VARIANTS = {"fp32_untied": dict(tied=False, bf16=False), "fp32_tied": dict(tied=True, bf16=False),
-            "bf16_untied": dict(tied=False, bf16=True)}
+            "bf16_untied": dict(tied=False, bf16=True),
+            # saved on TP2 (DP1): whole query groups per rank, SwiGLU halves per rank, vocabulary rows split
+            "fp32_tp2": dict(tied=False, bf16=False, tp=2)}
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
            "dp2_distopt": ["--use-distributed-optimizer"]}
 # megatron-core's run: the stored flags give model, AdamW and schedule; this, the rest.
@@ -89,12 +93,18 @@ def imported(work, deepspeed_runs):
     return out
 
 
+def layouts(variant):
+    """Where each variant resumes: every layout, but the TP2 source's on layouts other than its own."""
+    return [k for k in LAYOUTS if not (VARIANTS[variant].get("tp") == 2 and k == "tp2")]
+
+
 @pytest.fixture(scope="module")
 def group(work, imported):
     steps = []
     for name in VARIANTS:
         folder, flags = imported[name]
-        for layout, extra in LAYOUTS.items():
+        for layout in layouts(name):
+            extra = LAYOUTS[layout]
             if name == "fp32_tied" and layout == "pp2":  # the model's flags from the manifest
                 flags = imported[f"{name}_checkpoint_args"] + ["--use-checkpoint-args"]
             argv = MC + flags + extra + ["--load", str(folder), "--ckpt-step", "5", "--load-universal"]
@@ -104,8 +114,7 @@ def group(work, imported):
     return run_steps(2, steps, work / "mc")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant,layout", [(v, k) for v in VARIANTS for k in layouts(v)])
 def test_resume(deepspeed_runs, group, variant, layout):
     """megatron-core resumed from the import trains iterations 6-10 as DeepSpeed resumed from
     its own universal folder does."""
@@ -145,6 +154,21 @@ def test_import_state(deepspeed_runs, imported, variant):
     if VARIANTS[variant]["bf16"]:  # fp32 masters: most are not bf16 numbers
         qkv = load_file(str(folder / m.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].file))["param"]
         assert (qkv.view(np.uint32) & 0xFFFF).any()
+
+
+def test_swiglu_halves_unmarked_refused(work, deepspeed_runs):
+    """From TP2, a dense_h_to_4h merged without its two sub-parameters ([gate_0; up_0; gate_1;
+    up_1]: universal_checkpoint_info did not list it) is refused naming it."""
+    bad = work / "unmarked"
+    shutil.copytree(deepspeed_runs["fp32_tp2"]["universal"], bad)
+    path = bad / "zero" / "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight" / "fp32.pt"
+    record = torch.load(path, weights_only=True)
+    assert record.pop("param_n_sub_params") == 2
+    torch.save(record, path)
+    with pytest.raises(ConfigError, match=r"language_model\.encoder\.layers\.0\.mlp\.dense_h_to_4h\.weight.*"
+                                          "parameter_with_2_sub_params_cat_dim_0"):
+        import_(str(bad), str(work / "out_unmarked"), progress=False)
+    assert not (work / "out_unmarked").exists()
 
 
 def _evil(marker: Path):
