@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 pytest.importorskip("deepspeed")
 import torch  # noqa: E402
@@ -311,3 +312,24 @@ def test_position_embedding_enum(tmp_path, monkeypatch, value, rope):
     else:
         with pytest.raises(ConfigError, match="position_embedding_type 'alibi'"):
             dsm.from_args(args, UC, [], "ckpt")
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 6), first=st.integers(1, 4), tied=st.booleans(), norm_bias=st.booleans())
+def test_pipeline_names_match_plain(layers, first, tied, norm_bias):
+    """GPTModelPipe's names, wherever its layer specs start, map one to one onto the megatron-core
+    names GPTModel's names of the same model map to, layer i of the pipe being layer i."""
+    pipe = ["tied_modules.embed.word_embeddings.weight"] if tied else [f"{first - 1}.word_embeddings.weight"]
+    plain = ["language_model.embedding.word_embeddings.weight"]
+    for i in range(layers):
+        pipe += [f"{first + i}.{p}" for p in LAYER_PARAMS]
+        plain += [f"language_model.encoder.layers.{i}.{p}" for p in LAYER_PARAMS]
+    ends = ["weight", "bias"] if norm_bias else ["weight"]
+    pipe += [f"{first + layers}.{e}" for e in ends]
+    plain += [f"language_model.encoder.final_layernorm.{e}" for e in ends]
+    if not tied:
+        pipe.append(f"{first + layers + 1}.lm_head.weight")
+        plain.append("language_model.output_layer.weight")
+    a, b = dsm.megatron_names(pipe), dsm.megatron_names(plain)
+    assert len(set(a.values())) == len(a) and sorted(a.values()) == sorted(b.values())
+    assert a[f"{first + layers - 1}.mlp.dense_4h_to_h.weight"] == f"decoder.layers.{layers - 1}.mlp.linear_fc2.weight"
