@@ -264,6 +264,16 @@ def test_merge_records_checked():
         assert ds in str(e.value)
 
 
+def test_zero_checkpoint_named(deepspeed_runs):
+    """The ZeRO checkpoint itself (not converted yet) is refused, naming ds_to_universal."""
+    from megatron_ucp.errors import IncompleteCheckpointError
+
+    saved = Path(deepspeed_runs["fp32_untied"]["universal"]).parent / "global_step5"
+    with pytest.raises(IncompleteCheckpointError, match="convert it first with python -m "
+                                                        r"deepspeed\.checkpoint\.ds_to_universal"):
+        import_(str(saved), str(saved.parent / "never"), progress=False)
+
+
 def test_fifo_refused(work, deepspeed_runs):
     """A state file that is a FIFO (a read would block forever) is refused, naming it."""
     bad = work / "fifo"

@@ -40,6 +40,7 @@ from megatron_ucp.mcore.optimizer_state import plain_groups
 STATE_FILES = {"param": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
 RECORD_KEYS = {"param", "cat_dim", "vocab_tensor", "param_n_sub_params", "sub_param_shape"}
 MAX_SMALL_BYTES = 64 * 2**20  # step.pt, optimizer_state.pt: scalars and a few records
+MAX_PICKLE_BYTES = 256 * 2**20  # a model-states file's pickle (its tensors are mmap'ed, not in it)
 
 
 class Opaque:
@@ -74,8 +75,22 @@ STAND_INS = [(Opaque, name) for name in (
 )] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType") for module in ("megatron.enums", "megatron.model.enums")]
 
 
+def _pickle_size(path: str, what: str) -> int:
+    """The bytes of a torch.save zip file's pickle (what torch.load reads into memory)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return max((i.file_size for i in z.infolist() if i.filename.endswith("/data.pkl")), default=0)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise FormatError(f"{what} {path}: not a torch.save file ({e})") from None
+
+
 def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):
-    if mmap:
+    if mmap:  # a large file: its tensors stay on disk, its pickle is bounded
+        os.close(safe_files.open_regular(path, what, root))
+        if _pickle_size(path, what) > MAX_PICKLE_BYTES:
+            raise FormatError(f"{what} {path}: its pickle is over {MAX_PICKLE_BYTES} bytes; refused")
         return safe_pickle.load_file(path, what, root, mmap=True, stand_ins=STAND_INS)
     raw = safe_files.read_bounded(path, what, max_bytes, root)
     return safe_pickle.torch_load(raw, f"{what} {path}", stand_ins=STAND_INS)
@@ -110,7 +125,10 @@ def param_names(folder: str) -> list:
     """The parameter folders of `zero/`, each a real directory."""
     zero = os.path.join(folder, "zero")
     if not os.path.isdir(zero) or os.path.islink(zero):
-        raise IncompleteCheckpointError(f"{zero}: missing (not a DeepSpeed universal checkpoint folder)")
+        hint = (": a ZeRO checkpoint; convert it first with python -m deepspeed.checkpoint.ds_to_universal"
+                if any("zero_pp_rank_" in f for f in os.listdir(folder)) else
+                " (not a folder ds_to_universal wrote)")
+        raise IncompleteCheckpointError(f"{zero} is missing{hint}")
     names = []
     with os.scandir(zero) as it:
         for e in it:
