@@ -113,15 +113,17 @@ def _refused_class(message: str) -> str:
     return found.group(1) if found else ""
 
 
-def torch_load(source, where, mmap: bool = False):
+def torch_load(source, where, mmap: bool = False, stand_ins=()):
     """torch.load(weights_only=True) of a file path or bytes, with torch_load_classes() allowed;
-    a refused class or damaged bytes -> FormatError naming `where` (and the class)."""
+    a refused class or damaged bytes -> FormatError naming `where` (and the class).
+    `stand_ins`: (our class, "module.Name") pairs: a pickle naming `module.Name` gets our class
+    (inert data holders for another program's records), never the named one."""
     import torch
 
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     try:
-        with torch.serialization.safe_globals(torch_load_classes()):
+        with torch.serialization.safe_globals(torch_load_classes() + list(stand_ins)):
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 -- any unpickling failure: refused, naming the file
         cls = _refused_class(str(e))
@@ -129,11 +131,11 @@ def torch_load(source, where, mmap: bool = False):
         raise FormatError(f"{where}: {what}") from None
 
 
-def load_file(path: str, what: str, root=None, mmap: bool = False):
+def load_file(path: str, what: str, root=None, mmap: bool = False, stand_ins=()):
     """torch_load of a regular file inside `root` (its folder by default)."""
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
     os.close(safe_files.open_regular(path, what, root))
-    return torch_load(path, f"{what} {path}", mmap=mmap)
+    return torch_load(path, f"{what} {path}", mmap=mmap, stand_ins=stand_ins)
 
 
 def check_torch_file(path: str, what: str, root=None) -> None:

@@ -1,0 +1,339 @@
+"""Import a DeepSpeed universal checkpoint of a Megatron-DeepSpeed GPT as one of ours.
+
+    python -m megatron_ucp.convert.deepspeed DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress]
+
+DS_UNIVERSAL_DIR is what `python -m deepspeed.checkpoint.ds_to_universal` wrote: `zero/<param>/
+{fp32,exp_avg,exp_avg_sq,step}.pt` (full, TP-merged tensors), `zero/optimizer_state.pt` and the
+copied `mp_rank_*_model_states.pt` (Megatron-DeepSpeed's client state: `args`, `iteration`,
+`universal_checkpoint_info`; DeepSpeed's `lr_scheduler`, `global_steps`, `global_samples`). The
+result is a universal checkpoint at the same iteration with the fp32 master weights, Adam's
+moments and step, the scheduler, the consumed samples and the architecture, and the flags to
+continue with (also stored in the manifest for `--use-checkpoint-args`).
+
+Names, shapes and merge records are checked by deepspeed_map.py. Every file is input from
+strangers: only regular files inside the folder are opened, each bounded in size, unpickled
+with `weights_only` (safe_pickle); the few DeepSpeed classes `optimizer_state.pt` names are read
+into inert stand-ins. One parameter's tensors are in memory at a time (writer.py streams them).
+
+DeepSpeed's universal format drops the vocabulary padding rows (ds_to_universal keeps
+`original_vocab_size` rows) and its own loader pads with zeros; the import records zero padding
+rows up to the saving run's padded vocabulary, so a resume computes what DeepSpeed's resume from
+the same folder computes.
+"""
+
+import argparse
+import math
+import os
+import time
+
+import numpy as np
+
+from megatron_ucp.convert import deepspeed_map as dsm
+from megatron_ucp.convert import safe_pickle, writer as stream_write
+from megatron_ucp.convert.source_model import given_args
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
+from megatron_ucp.format import manifest as mf, safe_files
+from megatron_ucp.format.layout import PADDING
+from megatron_ucp.format.tensor_entry import STATES, TensorEntry
+from megatron_ucp.mcore.optimizer_state import plain_groups
+
+STATE_FILES = {"param": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
+RECORD_KEYS = {"param", "cat_dim", "vocab_tensor", "param_n_sub_params", "sub_param_shape"}
+MAX_SMALL_BYTES = 64 * 2**20  # step.pt, optimizer_state.pt: scalars and a few records
+MAX_PICKLE_BYTES = 256 * 2**20  # a model-states file's pickle (its tensors are mmap'ed, not in it)
+
+
+class Opaque:
+    """An inert stand-in for a class DeepSpeed pickles into its records (a loss scaler, an
+    enum): the pickle's arguments and state kept as data, nothing of DeepSpeed run."""
+
+    def __init__(self, *args):
+        self.args = args
+        self.state = None
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class PositionEmbeddingType(Opaque):
+    """Megatron-DeepSpeed's `args.position_embedding_type` enum (its forks' `enums.py`:
+    rotary = 1, absolute = 2, alibi = 3), read as its member's name."""
+
+    NAMES = {1: "rotary", 2: "absolute", 3: "alibi"}
+
+    def name(self):
+        return self.NAMES.get(self.args[0] if len(self.args) == 1 else None, f"unknown {self.args!r}")
+
+
+# What `zero/optimizer_state.pt` names besides torch's own types (DeepSpeed 0.19: ZeRO-1/2 and
+# BF16_Optimizer saves), and the position embedding enum of Megatron-DeepSpeed's args.
+STAND_INS = [(Opaque, name) for name in (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # an fp32.pt's record, refused by name
+)] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType") for module in ("megatron.enums", "megatron.model.enums")]
+
+
+def _pickle_size(path: str, what: str) -> int:
+    """The bytes of a torch.save zip file's pickle (what torch.load reads into memory)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return max((i.file_size for i in z.infolist() if i.filename.endswith("/data.pkl")), default=0)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise FormatError(f"{what} {path}: not a torch.save file ({e})") from None
+
+
+def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):
+    if mmap:  # a large file: its tensors stay on disk, its pickle is bounded
+        os.close(safe_files.open_regular(path, what, root))
+        if _pickle_size(path, what) > MAX_PICKLE_BYTES:
+            raise FormatError(f"{what} {path}: its pickle is over {MAX_PICKLE_BYTES} bytes; refused")
+        return safe_pickle.load_file(path, what, root, mmap=True, stand_ins=STAND_INS)
+    raw = safe_files.read_bounded(path, what, max_bytes, root)
+    return safe_pickle.torch_load(raw, f"{what} {path}", stand_ins=STAND_INS)
+
+
+def _plain(value):
+    """A value of Megatron-DeepSpeed's args as JSON-able data (stand-ins as their text)."""
+    if isinstance(value, PositionEmbeddingType):
+        return value.name()
+    if isinstance(value, Opaque):
+        return f"<{value.args!r}>"
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def model_states(folder: str) -> tuple:
+    """(path, dict) of the first `mp_rank_*_model_states.pt` (every TP rank's copy holds the same
+    client state; DeepSpeed's records there are global)."""
+    files = sorted(f for f in os.listdir(folder) if f.startswith("mp_rank_") and f.endswith("_model_states.pt"))
+    if not files:
+        raise IncompleteCheckpointError(f"{folder}: no mp_rank_*_model_states.pt (not a folder "
+                                        "ds_to_universal wrote?)")
+    path = os.path.join(folder, files[0])
+    states = _load(path, "DeepSpeed model states", folder, 0, mmap=True)
+    if not isinstance(states, dict):
+        raise FormatError(f"{path}: holds a {type(states).__name__}, expected DeepSpeed's model states dict")
+    return path, states
+
+
+def param_names(folder: str) -> list:
+    """The parameter folders of `zero/`, each a real directory."""
+    zero = os.path.join(folder, "zero")
+    if not os.path.isdir(zero) or os.path.islink(zero):
+        hint = (": a ZeRO checkpoint; convert it first with python -m deepspeed.checkpoint.ds_to_universal"
+                if any("zero_pp_rank_" in f for f in os.listdir(folder)) else
+                " (not a folder ds_to_universal wrote)")
+        raise IncompleteCheckpointError(f"{zero} is missing{hint}")
+    names = []
+    with os.scandir(zero) as it:
+        for e in it:
+            if e.name == "optimizer_state.pt":
+                continue
+            if not e.is_dir(follow_symlinks=False):
+                raise FormatError(f"{e.path}: expected a parameter folder (a directory), found something else")
+            names.append(e.name)
+    return sorted(names)
+
+
+def adam_groups(folder: str) -> list:
+    """`zero/optimizer_state.pt`'s param groups, checked to be AdamW's as megatron-core runs it."""
+    path = os.path.join(folder, "zero", "optimizer_state.pt")
+    state = _load(path, "DeepSpeed optimizer state", folder, MAX_SMALL_BYTES)
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        raise FormatError(f"{path}: no 'param_groups' list")
+    for g in groups:
+        if not ("betas" in g and "eps" in g):
+            raise ConfigError(f"{path}: a param group without betas and eps ({sorted(g)}): not an Adam optimizer")
+        if g.get("amsgrad"):
+            raise ConfigError(f"{path}: AMSGrad (megatron-core's Adam has none)")
+        if g.get("decoupled_weight_decay") is False and g.get("weight_decay"):
+            raise ConfigError(f"{path}: Adam with L2 weight decay (torch Adam); megatron-core runs AdamW")
+    return plain_groups(groups)
+
+
+def read_tensor(path: str, folder: str, numel_bound: int):
+    """A `zero/<param>/<state>.pt` file: its record dict (tensor as fp32 numpy)."""
+    import torch
+
+    record = _load(path, "DeepSpeed state file", folder, 8 * numel_bound + 2**20)
+    if isinstance(record, torch.Tensor):
+        record = {"param": record}
+    if not isinstance(record, dict) or not isinstance(record.get("param"), torch.Tensor):
+        raise FormatError(f"{path}: expected a dict with a 'param' tensor")
+    extra = set(record) - RECORD_KEYS
+    if extra:
+        raise FormatError(f"{path}: unknown keys {sorted(extra)} (a record of a newer DeepSpeed?)")
+    if record["param"].dtype != torch.float32:
+        raise FormatError(f"{path}: 'param' is {record['param'].dtype}, expected torch.float32")
+    return record
+
+
+def read_step(path: str, folder: str) -> int:
+    import torch
+
+    step = _load(path, "DeepSpeed step file", folder, MAX_SMALL_BYTES)
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or value != int(value):
+        raise FormatError(f"{path}: step {value!r}, expected a whole number >= 0")
+    return int(value)
+
+
+def _steps_of(samples, gbs: int, key: str, path: str) -> int:
+    if samples % gbs:
+        raise ConfigError(f"{path}: lr_scheduler.{key} {samples} samples is not a whole number of "
+                          f"global batches of {gbs}")
+    return samples // gbs
+
+
+def training_flags(scheduler, groups: list, args: dict, path: str) -> list:
+    """Flags that make pretrain_gpt_ucp.py's scheduler and AdamW the saved ones (megatron-core's
+    scheduler refuses a checkpoint whose schedule differs from the one its flags give)."""
+    gbs = args.get("global_batch_size")
+    if not isinstance(gbs, int) or gbs < 1:
+        raise ConfigError(f"{path}: args.global_batch_size is {gbs!r}, expected an integer >= 1")
+    decays = {float(g.get("weight_decay", 0.0)) for g in groups} - {0.0}
+    if len(decays) > 1:
+        raise ConfigError(f"{path}: param groups with weight decays {sorted(decays)}; megatron-core has one")
+    betas = groups[0]["betas"]
+    argv = ["--global-batch-size", str(gbs), "--adam-beta1", repr(float(betas[0])),
+            "--adam-beta2", repr(float(betas[1])), "--adam-eps", repr(float(groups[0]["eps"])),
+            "--weight-decay", repr(decays.pop() if decays else 0.0)]
+    if scheduler is None:
+        return argv
+    s = scheduler
+    if s.get("start_wd", None) != s.get("end_wd", None):
+        raise ConfigError(f"{path}: lr_scheduler weight decay goes from {s.get('start_wd')} to {s.get('end_wd')}; "
+                          "pretrain_gpt_ucp.py keeps it constant")
+    argv += ["--lr", repr(float(s["max_lr"])), "--min-lr", repr(float(s["min_lr"])),
+             "--lr-decay-style", str(s["lr_decay_style"]),
+             "--lr-warmup-iters", str(_steps_of(s["lr_warmup_steps"], gbs, "lr_warmup_steps", path)),
+             "--lr-decay-iters", str(_steps_of(s["lr_decay_steps"], gbs, "lr_decay_steps", path))]
+    if "wd_incr_steps" in s:  # pretrain_gpt_ucp.py's is train_iters * global_batch_size
+        argv += ["--train-iters", str(_steps_of(s["wd_incr_steps"], gbs, "wd_incr_steps", path))]
+    return argv
+
+
+_OLD_SCHEDULER_NAMES = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps", "warmup_steps": "lr_warmup_steps",
+                        "end_iter": "lr_decay_steps", "decay_steps": "lr_decay_steps",
+                        "decay_style": "lr_decay_style", "num_iters": "num_steps"}
+
+
+def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -> dict:
+    """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours."""
+    start = time.perf_counter()
+    folder = os.path.abspath(folder)
+    path, states = model_states(folder)
+    args = states.get("args")
+    args = {k: _plain(v) for k, v in vars(args).items()} if isinstance(args, argparse.Namespace) else args
+    if not isinstance(args, dict):
+        raise ConfigError(f"{path}: no Megatron-DeepSpeed 'args' (the model's description); only "
+                          "Megatron-DeepSpeed GPT checkpoints are imported")
+    uc_info = states.get("universal_checkpoint_info")
+    if not isinstance(uc_info, dict):
+        raise ConfigError(f"{path}: no 'universal_checkpoint_info' (ds_to_universal needs it too)")
+    names = param_names(folder)
+    mapping = dsm.megatron_names(names)
+    model = dsm.from_args(args, uc_info, names, path)
+    dsm.check_names(model, mapping)
+    dims = states.get("checkpoint_parallel_dimensions") or {}
+    tp = int(dims.get("tp_degree", args.get("tensor_model_parallel_size", 1)))
+    pp = int(dims.get("pp_degree", args.get("pipeline_model_parallel_size", 1)))
+    shapes = dsm.expected(model)
+    by_mc = {mc: ds for ds, mc in mapping.items()}
+    for group in states.get("param_shapes") or []:  # the saving ranks' shapes: padded vocabulary rows
+        for ds, local in (group.items() if isinstance(group, dict) else ()):
+            if mapping.get(ds) in dsm.VOCAB and int(local[0]) * tp != model.padded_vocab_size:
+                raise FormatError(f"{path}: {ds} has {int(local[0])} rows on each of {tp} TP ranks, "
+                                  f"universal_checkpoint_info says the padded vocabulary is {model.padded_vocab_size}")
+
+    steps = {read_step(os.path.join(folder, "zero", ds, "step.pt"), folder) for ds in names}
+    if len(steps) != 1:
+        raise FormatError(f"{folder}/zero: parameters at Adam steps {sorted(steps)}, one expected")
+    step = steps.pop()
+    groups = adam_groups(folder)
+    scheduler = states.get("lr_scheduler")
+    if scheduler is not None:
+        scheduler = {_OLD_SCHEDULER_NAMES.get(k, k): v for k, v in dict(scheduler).items()}
+        mf.check_scheduler(scheduler, path)
+    iteration = states.get("iteration", states.get("global_steps"))
+    consumed = args.get("consumed_train_samples", states.get("global_samples"))
+    for key, value in (("iteration", iteration), ("consumed samples", consumed)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise FormatError(f"{path}: {key} {value!r}, expected an integer >= 0")
+
+    pad = model.padded_vocab_size - model.vocab_size
+    metas = {mc: TensorEntry.new(mc, shape, mc in dsm.VOCAB, pad if mc in dsm.VOCAB else 0, STATES)
+             for mc, shape in shapes.items()}
+
+    def opener(mc):
+        ds = by_mc[mc]
+        bound = model.padded_vocab_size * model.hidden_size if mc in dsm.VOCAB else math.prod(shapes[mc])
+
+        def assemble(state):
+            file = os.path.join(folder, "zero", ds, STATE_FILES[state])
+            record = read_tensor(file, folder, bound)
+            tensor = record["param"]
+            if state == "param":
+                dsm.check_record(ds, mc, record, tensor.shape, model, tp)
+            elif tuple(tensor.shape) != shapes[mc]:
+                raise FormatError(f"{file}: shape {list(tensor.shape)}, its fp32.pt's is {list(shapes[mc])}")
+            parts = {"": np.ascontiguousarray(tensor.detach().numpy(), np.float32)}
+            if mc in dsm.VOCAB and pad:  # dropped by ds_to_universal; DeepSpeed's loader pads with zeros
+                parts[PADDING] = np.zeros((pad,) + shapes[mc][1:], np.float32)
+            return parts
+        return assemble
+
+    make_divisible = args.get("make_vocab_size_divisible_by")
+    model_argv = dsm.megatron_args(model, make_divisible if isinstance(make_divisible, int) else None)
+    training_argv = training_flags(scheduler, groups, args, path)
+    argv = model_argv + training_argv
+    zero_stage = (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage")
+    layout = mf.Layout(world_size=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                       virtual_pipeline_model_parallel_size=None, data_parallel_size=states.get("dp_world_size"),
+                       expert_model_parallel_size=1, expert_tensor_parallel_size=tp,
+                       use_distributed_optimizer=bool(zero_stage), padded_vocab_size=model.padded_vocab_size)
+    progress_record = {"skipped_iterations": states["skipped_steps"]} \
+        if isinstance(states.get("skipped_steps"), int) and states["skipped_steps"] >= 0 else None
+    head = mf.head(iteration=iteration, consumed_samples=consumed, architecture=dsm.architecture(model),
+                   layout=layout, optimizer={"type": "adam", "step": step, "param_groups": groups},
+                   scheduler=scheduler, args=given_args(argv), rng_saved=False, progress=progress_record,
+                   source={"deepspeed": folder, "ds_version": str(states.get("ds_version")),
+                           "zero_stage": zero_stage, "megatron_deepspeed_args": args})
+    fresh = not os.path.exists(output)
+    try:
+        summary = stream_write.write_checkpoint(output, iteration, metas, opener, head, {}, workers, progress, start)
+    except BaseException:
+        if fresh and os.path.isdir(output) and not os.listdir(output):
+            os.rmdir(output)  # made for this import, left empty by the failed write
+        raise
+    summary["megatron_args"] = argv
+    summary["training_args"] = training_argv  # the rest, model flags aside (--use-checkpoint-args)
+    summary["step"] = step
+    summary["consumed_samples"] = consumed
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="import_deepspeed", description=__doc__.splitlines()[0])
+    p.add_argument("input", help="the folder ds_to_universal wrote (zero/ and mp_rank_*_model_states.pt)")
+    p.add_argument("output", help="where the universal checkpoint goes")
+    p.add_argument("--workers", type=int, default=1, help="write this many atomic tensors in parallel processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    if a.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    s = import_(a.input, a.output, not a.no_progress, a.workers)
+    print(f"imported iteration {s['iteration']} (Adam step {s['step']}, {s['consumed_samples']} samples consumed): "
+          f"{s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s into {s['output']}")
+    print("flags: " + " ".join(s["megatron_args"]))
+    return 0
+
+
+if __name__ == "__main__":
+    run_command(main, "import_deepspeed")
