@@ -78,8 +78,8 @@ class Run:
 
 
 def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout: int = 600,
-        kill_after_iteration: int = None) -> Run:
-    """Train BASE + `extra` to `iters` in `nproc` CPU processes; with `kill_after_iteration`,
+        kill_after_iteration: int = None, base: list = BASE) -> Run:
+    """Train `base` + `extra` to `iters` in `nproc` CPU processes; with `kill_after_iteration`,
     SIGTERM the whole process group once that iteration's loss is logged, as Slurm signals a
     job step (torchrun itself then exits 1, its SignalException; the workers save and exit)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +89,7 @@ def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout
                UCP_LOSS_LOG=str(workdir / "losses.jsonl"))
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_ucp.megatron_lm", "--cpu",
-           str(SCRIPT)] + BASE + extra + ["--train-iters", str(iters)]
+           str(SCRIPT)] + base + extra + ["--train-iters", str(iters)]
     if kill_after_iteration is None:
         proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
         return Run(proc.returncode, proc.stdout + proc.stderr, workdir)

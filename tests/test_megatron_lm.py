@@ -119,3 +119,77 @@ def test_moe_resumes_from_ep2_on_ep1(python, tmp_path):
     r = run(python, tmp_path / "ep1", 2, MOE + DIST + UNIVERSAL + ["--load", str(ckpt),
                                                                       "--ckpt-step", str(K)], N).check()
     assert max_delta(ref.losses(), r.losses(), range(K + 1, N + 1)) <= TOL
+
+
+# -- the project's own loop (megatron-core 0.16.1) and Megatron-LM's trainer share checkpoints --
+
+# The same model, optimizer and data in both: megatron-core's GPTDataset over a small corpus
+# (test_megatron_data.write_corpus). The own loop's NullTokenizer takes the tokens' count and
+# adds EOD (--vocab-size 250: 251 entries); Megatron-LM 0.19's takes the entries (251).
+SHARED = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+          "--lr", "5e-3", "--lr-decay-style", "constant", "--seed", "7", "--make-vocab-size-divisible-by", "32",
+          "--attention-dropout", "0", "--hidden-dropout", "0", "--weight-decay", "0.01", "--clip-grad", "1.0",
+          "--split", "90,5,5", "--tokenizer-type", "NullTokenizer"]
+
+
+@pytest.fixture(scope="module")
+def own_loop_python():
+    """An interpreter with megatron-core 0.16 (the project's own loop's release)."""
+    import subprocess
+    import sys
+
+    from harness import REPO
+
+    code = "from megatron_ucp.mcore.compat import core_version; print(core_version() < (0, 17))"
+    for python in [sys.executable] + [p for p in [os.environ.get("UCP_OTHER_PYTHON")] if p]:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+        if proc.returncode == 0 and proc.stdout.strip().endswith("True"):
+            return python
+    if os.environ.get("UCP_REQUIRE_OTHER") == "1":
+        pytest.fail("UCP_REQUIRE_OTHER=1 but no megatron-core 0.16 interpreter for the own loop")
+    pytest.skip("no megatron-core 0.16 interpreter (the project's own loop)")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from test_megatron_data import RANGES, write_corpus
+
+    root = tmp_path_factory.mktemp("corpus")
+    for seed, (name, low) in enumerate(RANGES.items()):
+        write_corpus(root / name, seed, low)
+    return ["--data-path", "0.5", str(root / "A"), "0.5", str(root / "B")]
+
+
+def own_loop(python, workdir, extra, iters, save=None, load=None, step=None):
+    from harness import losses, run_steps, train_step
+
+    argv = ["--cpu"] + SHARED + ["--vocab-size", "250"] + extra
+    step_ = train_step("run", argv, iters=iters, save=save, interval=K, load=load, step=step)
+    step_["argv"] = [a for a in step_["argv"] if a not in ("--mock-data",)]
+    return losses(run_steps(2, [step_], workdir, python=python), "run")
+
+
+# --eval-iters 1: megatron's sampler refuses the empty validation split that 0 would give.
+TRAINER_ONLY = ["--eval-iters", "1", "--eval-interval", "1000", "--transformer-impl", "local",
+                "--log-interval", "1", "--num-workers", "0",
+                "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+
+
+def test_own_loop_checkpoint_resumes_in_megatron_lm_and_back(python, own_loop_python, corpus, tmp_path):
+    """Saved by the own loop (0.16.1, TP2) -> resumed by Megatron-LM's trainer (0.19.2, PP2); saved
+    by the trainer (TP2) -> resumed by the own loop (PP2); each within TOL of its uninterrupted run."""
+    own_ckpt, mlm_ckpt = tmp_path / "own_ckpt", tmp_path / "mlm_ckpt"
+    own_ref = own_loop(own_loop_python, tmp_path / "own_ref", TP2 + corpus, N, save=str(own_ckpt))
+    in_mlm = run(python, tmp_path / "in_mlm", 2, PP2 + corpus + UNIVERSAL
+                 + ["--load", str(own_ckpt), "--ckpt-step", str(K)], N,
+                 base=SHARED + ["--vocab-size", "251"] + TRAINER_ONLY).check()
+    assert max_delta(own_ref, in_mlm.losses(), range(K + 1, N + 1)) <= TOL
+
+    mlm_ref = run(python, tmp_path / "mlm_ref", 2, TP2 + corpus + UNIVERSAL
+                  + ["--save", str(mlm_ckpt), "--save-interval", str(K)], N,
+                  base=SHARED + ["--vocab-size", "251"] + TRAINER_ONLY).check()
+    in_own = own_loop(own_loop_python, tmp_path / "in_own", PP2 + corpus, N, load=str(mlm_ckpt), step=K)
+    assert max_delta(mlm_ref.losses(), in_own, range(K + 1, N + 1)) <= TOL

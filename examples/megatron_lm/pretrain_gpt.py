@@ -73,9 +73,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     )
 
 
-# Tests and demos: every micro-batch's summed loss and token count, one JSON line per micro-batch
-# in UCP_LOSS_LOG.rank<N>; an iteration's loss is their sums' ratio, the value Megatron-LM logs
-# (whose first logged iteration after a start is not reset, so the second averages two).
+# Tests and demos: every training (not validation) micro-batch's summed loss and token count, one
+# JSON line each, in UCP_LOSS_LOG.rank<N>. An iteration's loss is their sums' ratio: the value
+# Megatron-LM logs, whose first logged iteration after a start is not reset (the second logged
+# then averages two iterations).
 LOSS_LOG = os.environ.get("UCP_LOSS_LOG")
 
 
@@ -85,7 +86,7 @@ def loss_func(loss_mask, output_tensor):
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    if LOSS_LOG and parallel_state.get_tensor_model_parallel_rank() == 0:
+    if LOSS_LOG and torch.is_grad_enabled() and parallel_state.get_tensor_model_parallel_rank() == 0:
         record = {"iteration": get_args().curr_iteration + 1, "loss": float(loss), "tokens": int(num_tokens)}
         with open(f"{LOSS_LOG}.rank{torch.distributed.get_rank()}", "a") as f:
             f.write(json.dumps(record) + "\n")
