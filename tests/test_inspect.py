@@ -263,3 +263,15 @@ def test_no_torch_import():
 
 def describe_entry(root: Path, name: str) -> TensorEntry:
     return mf.read_manifest(str(root)).tensors[name]
+
+
+def test_cli_quiet_when_its_reader_is_gone(ckpt):
+    """`megatron-ucp inspect CKPT | head -n 6`: a reader that stopped reading is no error (no
+    BrokenPipeError traceback, as the Slurm resume job printed)."""
+    save, _ = ckpt
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the table is written
+    proc = subprocess.run([sys.executable, str(CLI), str(save), "--verify"], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+    os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
