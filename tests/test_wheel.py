@@ -12,7 +12,6 @@ only find the wheel's copy, which the test checks.
 
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys
@@ -21,28 +20,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from harness import BASE, REPO, free_port
-
-
-def _sources(dest: Path) -> Path:
-    """The checkout's files, without build outputs, copied to `dest` (a build writes build/
-    and *.egg-info beside pyproject.toml: not into the repository)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, capture_output=True)
-    if listed.returncode == 0:
-        for name in filter(None, listed.stdout.decode().split("\0")):
-            if (REPO / name).is_file():
-                (dest / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(REPO / name, dest / name)
-    else:  # not a git checkout (an unpacked source archive)
-        shutil.copytree(REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
-            ".git", ".venv*", "build", "*.egg-info", "__pycache__", "runs", ".pytest_cache", ".hypothesis"))
-    return dest
+from harness import BASE, REPO, copy_checkout, free_port
 
 
 def _install(tmp: Path) -> Path:
     """Build the wheel, install it into a fresh venv; returns the venv's bin folder."""
-    src = _sources(tmp / "src")
+    src = copy_checkout(tmp / "src")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run(pip + ["wheel", "--no-deps", "-w", str(tmp / "dist"), str(src)], check=True)
     wheel, = (tmp / "dist").glob("megatron_ucp-*.whl")
