@@ -43,7 +43,7 @@ COMMANDS = {
 
 def usage() -> str:
     lines = [f"usage: {PROG} COMMAND [ARGS...]   (or: python -m megatron_ucp COMMAND ...)",
-             f"       {PROG} COMMAND --help | --version", "",
+             f"       {PROG} --help | --version;  {PROG} COMMAND --help: a command's flags", "",
              "Universal checkpoints for megatron-core GPT training: save on one parallel layout,",
              "resume on any other.", "", "commands:"]
     for name, (_, _, _, line, example) in COMMANDS.items():
