@@ -3,7 +3,7 @@
 #   bash run.sh demo    # CPU demo: train, save universally, resume on another layout
 #   bash run.sh test    # the default test suite (what CI runs)
 #   bash run.sh setup   # only make (or update) the virtual environment
-#   bash run.sh gpu-check   # on a GPU machine: TE spec, FusedAdam, bf16/fp16, NCCL (tools/gpu_check.py)
+#   bash run.sh gpu-check   # on a GPU machine: TE spec, FusedAdam, bf16/fp16, NCCL (megatron-ucp gpu-check)
 # The megatron-core release is chosen by UCP_CORE:
 #   0.16 (default): Python 3.11 (python3), torch 2.13.0 CPU, megatron-core 0.16.1, venv .venv
 #   0.19:           Python 3.12, torch 2.14.1, megatron-core 0.19.2, venv .venv-core019
@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 if [ "${1:-}" = gpu-check ]; then
     # The GPU machine's own CUDA torch, transformer-engine and megatron-core: the CPU venv below
     # would install a CPU torch.
-    shift; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
+    shift; PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -m megatron_ucp gpu-check "$@"
 fi
 
 # An interpreter of Python $1 (e.g. 3.12) that really runs: $UCP_PYTHON, pythonX.Y on PATH

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,23 @@ BASE = [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "5e-3", "--lr-decay-style",
     "constant", "--seed", "7", "--log-interval", "1000",
 ]
+
+
+def copy_checkout(dest: Path) -> Path:
+    """The checkout's files as a fresh clone has them (tracked and new, not ignored: no venv, no
+    build outputs), copied to `dest`, for tests that build or run there instead of in the
+    repository."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True)
+    if listed.returncode != 0:  # not a git checkout (an unpacked source archive)
+        shutil.copytree(REPO, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "build", "*.egg-info", "__pycache__", "runs", ".pytest_cache", ".hypothesis"))
+        return dest
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
 
 
 def train_step(name, extra, iters=10, save=None, interval=None, load=None, step=None, universal=True):

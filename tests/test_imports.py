@@ -25,6 +25,7 @@ LAYERS = [
     ("engine", {"engine", "engine.*", "api", ""}),  # "": megatron_ucp itself (the public API)
     ("converters", {"convert", "convert.*"}),
     ("training application", {"train", "train.*"}),
+    ("commands", {"cli", "__main__", "commands", "commands.*"}),  # the `megatron-ucp` command
 ]
 
 

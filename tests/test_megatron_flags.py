@@ -6,6 +6,8 @@
   without --no-load-rng, while a missing RNG file of a checkpoint saved with it stays an error,
   checked on the interrupted run's checkpoint);
 - `--use-checkpoint-args` takes the model's shape from the checkpoint;
+- a resume keeps the checkpoint's learning-rate schedule; `--override-opt_param-scheduler`
+  takes the command line's (README, "Usage");
 - FLOPs so far and skipped iterations are kept across a resume;
 - `--exit-signal-handler`: SIGTERM in the middle of a torchrun job saves the last finished
   iteration and exits 0; the resumed run (on another layout) has the uninterrupted run's losses,
@@ -102,6 +104,30 @@ def test_checkpoint_flags(tmp_path):
     assert _manifest(fp16, 3)["progress"]["skipped_iterations"] >= 1
     assert sorted(losses(results, "duration")) == [1]
     assert (timed / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_resume_keeps_the_saved_schedule_unless_overridden(tmp_path):
+    """A cosine schedule over 4 iterations, saved at 4, resumed with --train-iters 8: the saved
+    schedule has decayed to 0 (it wins, as megatron-core's scheduler does by default); with
+    --override-opt_param-scheduler the resumed run follows an 8-iteration schedule from its saved
+    step, as an uninterrupted 8-iteration run does."""
+    cosine = ["--lr-decay-style", "cosine", "--lr", "5e-3"]
+    ckpt = str(tmp_path / "ckpt")
+    names = ("first", "kept", "override", "reference")
+    argv = {
+        "first": (4, ["--save", ckpt, "--save-interval", "4"]),
+        "kept": (8, ["--load", ckpt]),
+        "override": (8, ["--load", ckpt, "--override-opt_param-scheduler"]),
+        "reference": (8, []),
+    }
+    steps = [_train(n, cosine + argv[n][1] + ["--loss-log", str(tmp_path / f"{n}.jsonl")], argv[n][0])
+             for n in names]
+    run_steps(1, steps, tmp_path)
+    lr = {n: {r["iteration"]: r["lr"] for r in _log(tmp_path / f"{n}.jsonl")} for n in names}
+    assert lr["first"][4] == 0.0 and sorted(lr["kept"]) == [5, 6, 7, 8]
+    assert all(v == 0.0 for v in lr["kept"].values()), lr["kept"]
+    assert lr["override"][5] > 0
+    assert [lr["override"][i] for i in range(5, 9)] == pytest.approx([lr["reference"][i] for i in range(5, 9)])
 
 
 @pytest.mark.parametrize("flag", ["--no-save-optim", "--no-save-rng"])

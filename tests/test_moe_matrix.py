@@ -25,7 +25,7 @@ from megatron_ucp.mcore.compat import core_version
 N, K = 10, 5
 TOL = 1e-3
 # megatron-core 0.19 removed the legacy GroupedMLP: its grouped experts are transformer-engine's
-# (GPU kernels only, tools/gpu_check.py), so the CPU suite has no grouped layout to load into.
+# (GPU kernels only, megatron-ucp gpu-check), so the CPU suite has no grouped layout to load into.
 LEGACY_GROUPED = core_version() < (0, 19)
 NO_LEGACY_GROUPED = "megatron-core 0.19 has no legacy GroupedMLP (TE's grouped experts need a GPU)"
 

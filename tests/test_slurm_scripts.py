@@ -4,7 +4,8 @@ The script runs under bash with stand-ins for `srun` (writes loss-log lines, exi
 waits for SIGTERM) and `scontrol` (records what it was asked). What matters: a setup error (the
 step fails before its first iteration) ends the job instead of being requeued three times, a
 failure after training is requeued, a stop before the time limit (SIGUSR1) is requeued and
-exits 0, and a SIGTERM (scancel, preemption) saves and ends the job.
+exits 0, and a SIGTERM (scancel, preemption) saves and ends the job. Everything a script writes
+goes under the RUN_DIR it is given: nothing into the repository.
 """
 
 import os
@@ -41,6 +42,19 @@ SCONTROL = r"""#!/bin/bash
 if [ "$1" = show ] && [ "$2" = hostnames ]; then echo node1; exit 0; fi
 echo "$*" >> "$STUB_DIR/scontrol.log"
 """
+
+
+def _repository_outputs() -> dict:
+    """What the scripts would write into the repository by default: runs/, job output files."""
+    found = [p for p in (REPO / "runs").rglob("*") if p.is_file()] + list(REPO.glob("*.out"))
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in found}
+
+
+@pytest.fixture(autouse=True)
+def nothing_into_the_repository():
+    before = _repository_outputs()
+    yield
+    assert _repository_outputs() == before, "a script wrote into the repository"
 
 
 @pytest.mark.parametrize("rc,signalled,iterations,restarts,expected", [
@@ -139,13 +153,15 @@ def test_sigterm_stop_is_not_requeued(tmp_path):
 
 
 def test_resume_other_layout_time_limit_and_sigterm(tmp_path):
-    """resume_other_layout.sbatch: the time-limit warning requeues, a SIGTERM does not."""
+    """resume_other_layout.sbatch: the time-limit warning requeues, a SIGTERM does not; the
+    checkpoint is RUN_DIR/checkpoints unless CKPT_DIR names one, the losses go to RUN_DIR/logs."""
     for name, signum, requeues in (("limit", signal.SIGUSR1, ["requeue 17"]), ("term", signal.SIGTERM, [])):
-        ckpt = tmp_path / name / "ckpt"
+        ckpt = tmp_path / name / ("run/checkpoints" if name == "limit" else "elsewhere")
         ckpt.mkdir(parents=True)
         (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+        named = {} if name == "limit" else {"CKPT_DIR": ckpt}
         proc, stub_dir = _job(tmp_path / name, "resume_other_layout.sbatch", STUB_WAIT_TERM=1,
-                              CKPT_DIR=ckpt, PYTHON="true")
+                              PYTHON="true", **named)
         _wait_started(proc, stub_dir)
         proc.send_signal(signum)
         if signum == signal.SIGTERM:
@@ -154,3 +170,5 @@ def test_resume_other_layout_time_limit_and_sigterm(tmp_path):
         out = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0, out
         assert _requeues(stub_dir) == requeues, out
+        assert f"resuming {ckpt} (iteration 4)" in out
+        assert (tmp_path / name / "run" / "logs" / "losses.jsonl").read_text() == '{"iteration": 99}\n'

@@ -1,61 +1,13 @@
-#!/usr/bin/env python
-"""Summarize (and optionally verify) a megatron-ucp universal checkpoint.
+"""The checkout's shim for `megatron-ucp inspect` (megatron_ucp/cli.py), usable without installing
+the package: summarize (and optionally verify) a universal checkpoint. `python
+tools/inspect_checkpoint.py --help` lists its flags."""
 
-    python tools/inspect_checkpoint.py CKPT [--verify] [--json]
-
-CKPT is a save folder (its latest_checkpointed_iteration.txt picks the iteration) or an
-iter_XXXXXXX folder. Exit status: 0 OK, 1 verification found problems, 2 unreadable checkpoint.
-Needs numpy only: neither torch nor megatron is imported.
-"""
-
-import argparse
-import json
 import os
 import sys
-import time
 
-try:
-    import megatron_ucp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
 
-from megatron_ucp.errors import UCPError, report  # noqa: E402
-from megatron_ucp.format.inspection import describe, format_table, verify  # noqa: E402
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="save folder (with the tracker file) or iter_XXXXXXX folder")
-    p.add_argument("--verify", action="store_true",
-                   help="check every tensor file's header, size and block checksums")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = p.parse_args(argv)
-    try:
-        desc = describe(args.checkpoint)
-        start = time.perf_counter()
-        problems = verify(args.checkpoint) if args.verify else None
-        elapsed = time.perf_counter() - start
-    except UCPError as e:
-        return report("inspect_checkpoint", e)
-    except OSError as e:
-        return report("inspect_checkpoint", UCPError(str(e)))
-    if args.json:
-        if problems is not None:
-            desc["problems"] = problems
-        print(json.dumps(desc, indent=1))
-    else:
-        print(format_table(desc))
-    if problems is None:
-        return 0
-    out = sys.stderr if args.json else sys.stdout  # keep --json stdout parseable
-    if problems:
-        print(f"FAILED: {len(problems)} problem{'s' if len(problems) > 1 else ''}", file=out)
-        for msg in problems:
-            print(f"  {msg}", file=out)
-        return 1
-    print(f"OK: {desc['num_tensors']} files, {desc['total_bytes']} bytes verified in {elapsed:.2f} s", file=out)
-    return 0
-
+from megatron_ucp.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["inspect", *sys.argv[1:]]))

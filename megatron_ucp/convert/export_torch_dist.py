@@ -67,7 +67,7 @@ def resolve(ckpt: str, iteration=None):
         what = f"a {found} checkpoint ({evidence})" if found else "no checkpoint"
         raise FormatError(f"{directory}: holds {what}, not a universal one ({MANIFEST}); "
                           "megatron-core loads a torch_dist checkpoint on other layouts itself, or "
-                          "convert it with tools/convert_to_universal.py first")
+                          "convert it with `megatron-ucp convert` first")
     return ckpt, it
 
 

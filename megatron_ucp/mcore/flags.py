@@ -20,6 +20,9 @@ _CHECKPOINT_SWITCHES = (
     ("--no-load-rng", "do not load RNG state: reseed from --seed and the iteration"),
     ("--no-load-scheduler", "universal: start a fresh learning-rate scheduler (needed when the "
                             "checkpoint holds none: otherwise that is an error)"),
+    ("--override-opt_param-scheduler", "the learning-rate schedule (lr, min lr, warmup, decay iterations "
+                                        "and style) from the command line, not the checkpoint's; its step "
+                                        "count still loads (Megatron-LM's flag)"),
     ("--exit-on-missing-checkpoint", "an error when --load holds no checkpoint (else: train from scratch)"),
     ("--no-save-optim", "universal: save the weights only, no optimizer or scheduler state"),
     ("--no-save-rng", "universal: save no RNG state (a load then reseeds from --seed)"),

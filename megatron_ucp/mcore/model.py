@@ -303,6 +303,10 @@ def build_train_state(args) -> TrainState:
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * args.global_batch_size,
         wd_incr_style="constant",
+        # A resume keeps the checkpoint's schedule (megatron-core's default; Megatron-LM's
+        # --use-checkpoint-opt_param-scheduler) unless the command line's is asked for.
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
     # Wire DDP into the schedules: grad sync after the last micro-batch, none before.
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync

@@ -85,7 +85,7 @@ def latest_checkpoint(args):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
     if not _is_universal(directory):
         raise FormatError(f"{directory}: --elastic resumes universal checkpoints only (no ucp.json); "
-                          "convert it with tools/convert_to_universal.py")
+                          "convert it with `megatron-ucp convert`")
     from megatron_ucp.format.manifest import read_manifest
 
     return iteration, directory, read_manifest(directory).layout
@@ -143,7 +143,7 @@ def _saved_args(args) -> dict:
     iteration, directory = _load_target(args)
     if not _is_universal(directory):
         raise FormatError(f"{directory}: --use-checkpoint-args reads the arguments of a universal "
-                          "checkpoint (ucp.json); convert it with tools/convert_to_universal.py")
+                          "checkpoint (ucp.json); convert it with `megatron-ucp convert`")
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
 
     saved = read_manifest(directory).args
@@ -261,7 +261,7 @@ def check_format(directory: str, wanted: str) -> None:
         raise IncompleteCheckpointError(f"{directory}: holds no checkpoint (no ucp.json, .metadata, "
                                         "*.distcp or mp_rank_* folders)")
     if found != wanted:
-        convert = " or convert it with tools/convert_to_universal.py" if found != "universal" else ""
+        convert = " or convert it with `megatron-ucp convert`" if found != "universal" else ""
         raise FormatError(f"{directory}: holds a {found} checkpoint ({evidence}), not the {wanted} one "
                           f"asked for; load it with {LOAD_FLAGS[found]}{convert}")
 

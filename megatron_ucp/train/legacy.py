@@ -85,7 +85,7 @@ def load(args, state, directory: str):
     if not os.path.lexists(path):
         raise IncompleteCheckpointError(
             f"{path}: missing; a legacy torch checkpoint resumes only on the layout that wrote it "
-            "(convert it with tools/convert_to_universal.py to change layout)")
+            "(convert it with `megatron-ucp convert` to change layout)")
     sd = safe_pickle.load_file(path, "legacy checkpoint file", root=directory)
     for i, chunk in enumerate(state.model):
         key = _model_key(len(state.model), i)
