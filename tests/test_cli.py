@@ -45,6 +45,8 @@ def test_unknown_command(capsys):
     (["import-hf", "{missing}", "{out}"], "import_hf: error: HF config {missing}/config.json is missing"),
     (["import-hf", "{missing}", "{out}", "--workers", "0"], "import_hf: error: --workers must be >= 1, got 0"),
     (["export-torch-dist", "{missing}", "{out}"], "export_torch_dist: error: {missing}: no such checkpoint folder"),
+    (["import-deepspeed", "{missing}", "{out}"], "import_deepspeed: error: {missing}: no such folder"),
+    (["megatron-lm", "--cpu", "{missing}"], "megatron_ucp.megatron_lm: error: {missing}: no such script"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, line):
     names = {"missing": str(tmp_path / "missing"), "out": str(tmp_path / "out")}

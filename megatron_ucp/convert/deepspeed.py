@@ -110,6 +110,9 @@ def _plain(value):
 def model_states(folder: str) -> tuple:
     """(path, dict) of the first `mp_rank_*_model_states.pt` (every TP rank's copy holds the same
     client state; DeepSpeed's records there are global)."""
+    if not os.path.isdir(folder):
+        raise IncompleteCheckpointError(f"{folder}: no such folder (expected the folder "
+                                        "ds_to_universal wrote)")
     files = sorted(f for f in os.listdir(folder) if f.startswith("mp_rank_") and f.endswith("_model_states.pt"))
     if not files:
         raise IncompleteCheckpointError(f"{folder}: no mp_rank_*_model_states.pt (not a folder "

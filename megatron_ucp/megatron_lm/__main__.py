@@ -11,7 +11,12 @@ USAGE = ("usage: python -m megatron_ucp.megatron_lm [--cpu] SCRIPT [SCRIPT ARGS]
          "into megatron.training;\n  --cpu: CPU processes over gloo (tests, demos)")
 
 
-def main(argv=None) -> None:
+PROG = "megatron_ucp.megatron_lm"
+
+
+def main(argv=None) -> int:
+    from megatron_ucp.errors import ConfigError, report, run_command
+
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu = False
     while argv and argv[0].startswith("-"):
@@ -20,17 +25,16 @@ def main(argv=None) -> None:
             cpu = True
         elif flag in ("-h", "--help"):
             print(USAGE)
-            return
+            return 0
         else:
-            sys.exit(f"megatron_ucp.megatron_lm: unknown option {flag!r} before SCRIPT\n{USAGE}")
+            return report(PROG, ConfigError(f"unknown option {flag!r} before SCRIPT ({USAGE.splitlines()[0]})"))
     if not argv:
-        sys.exit(USAGE)
+        return report(PROG, ConfigError(f"no SCRIPT given ({USAGE.splitlines()[0]})"))
     script = argv[0]
     if not os.path.isfile(script):
-        sys.exit(f"megatron_ucp.megatron_lm: {script}: no such script")
-    from megatron_ucp.errors import run_command
-
-    run_command(lambda: run(script, argv, cpu), "megatron_ucp.megatron_lm")
+        return report(PROG, ConfigError(f"{script}: no such script (expected a Megatron-LM training "
+                                        "script such as pretrain_gpt.py)"))
+    run_command(lambda: run(script, argv, cpu), PROG)
 
 
 def run(script: str, argv: list, cpu: bool) -> None:
@@ -50,4 +54,4 @@ def run(script: str, argv: list, cpu: bool) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
