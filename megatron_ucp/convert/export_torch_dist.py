@@ -71,14 +71,19 @@ def resolve(ckpt: str, iteration=None):
     return ckpt, it
 
 
-def carried_argv(saved_args: dict) -> list:
-    """The checkpoint's model and training flags, as pretrain_gpt_ucp.py arguments."""
-    from megatron_ucp.convert.source_model import argv_from_args
+def carried_names() -> set:
+    """The argument names taken from the checkpoint: its model and training flags."""
     from megatron_ucp.mcore.flags import build_parser
 
     groups = [g for g in build_parser()._action_groups if g.title in _CARRIED_GROUPS]
-    names = {a.dest for g in groups for a in g._group_actions} | {"tokenizer_type"}
-    return argv_from_args(saved_args, only=names)
+    return {a.dest for g in groups for a in g._group_actions} | {"tokenizer_type"}
+
+
+def carried_argv(saved_args: dict) -> list:
+    """The checkpoint's model and training flags, as pretrain_gpt_ucp.py arguments."""
+    from megatron_ucp.convert.source_model import argv_from_args
+
+    return argv_from_args(saved_args, only=carried_names())
 
 
 def _refuse_checkpoint_flags(extra) -> None:
@@ -112,7 +117,8 @@ def _layout_words(args, optim_format: str) -> str:
 def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None) -> Plan:
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
     from megatron_ucp.format.folder import iteration_dir
-    from megatron_ucp.format.manifest import read_manifest
+    from megatron_ucp.format.manifest import MANIFEST, read_manifest
+    from megatron_ucp.mcore import saved_args
     from megatron_ucp.mcore.flag_validation import validate
     from megatron_ucp.mcore.flags import build_parser
 
@@ -122,6 +128,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     if not saved and not extra:
         raise ConfigError(f"{iteration_dir(root, it)}: the manifest stores no training arguments; "
                           "give the model's flags after '--' (--num-layers ... --hidden-size ...)")
+    saved_args.check(saved, carried_names(), m, os.path.join(iteration_dir(root, it), MANIFEST))
     argv = carried_argv(saved) + list(extra) + ["--cpu", "--mock-data", "--ckpt-format", "torch_dist"]
     try:
         _refuse_checkpoint_flags(extra)
