@@ -44,7 +44,7 @@ class Plan:
 
 def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
-    from megatron_ucp.convert.to_universal import found_format
+    from megatron_ucp.convert.output_folder import found_format
     from megatron_ucp.format.folder import iteration_dir, iteration_of, read_tracker
     from megatron_ucp.format.manifest import MANIFEST
 
@@ -117,6 +117,7 @@ def _layout_words(args, optim_format: str) -> str:
 def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None) -> Plan:
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
     from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.convert.output_folder import check_save_folder
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
     from megatron_ucp.mcore import saved_args
     from megatron_ucp.mcore.flag_validation import validate
@@ -148,6 +149,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     out_dir = iteration_dir(output, it)
     if os.path.exists(output) and not os.path.isdir(output):
         raise ConfigError(f"{output}: exists and is not a folder")
+    check_save_folder(output, it, "torch_dist", "OUT")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir}: already exists and is not empty; remove it or choose another OUT")
     padded = m.layout.get("padded_vocab_size")
@@ -163,11 +165,13 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
 def export(p: Plan) -> dict:
     """Run the export's worker processes; returns a summary (files, bytes, seconds)."""
     from megatron_ucp.convert.launch import run_workers
+    from megatron_ucp.convert.output_folder import owned
     from megatron_ucp.format.folder import iteration_dir
 
     start = time.perf_counter()
-    code = run_workers(p.nproc, "megatron_ucp.train.workers", [
-        "export", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
+    with owned(p.output, p.iteration, "torch_dist", "OUT"):
+        code = run_workers(p.nproc, "megatron_ucp.train.workers", [
+            "export", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
     if code != 0:
         raise FormatError(f"export of {iteration_dir(p.root, p.iteration)} to {p.output} failed "
                           f"(exit code {code}; the workers' message is above)")

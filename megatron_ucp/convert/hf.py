@@ -17,7 +17,7 @@ import uuid
 
 import numpy as np
 
-from megatron_ucp.convert import hf_map
+from megatron_ucp.convert import hf_map, output_folder
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
 from megatron_ucp.format import durability, manifest as mf, safe_files, tensor_io
@@ -103,6 +103,7 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
 
     if dtype not in HF_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {sorted(HF_DTYPES)}")
+    output_folder.refuse_inside_checkpoint(output, "output")
     start = time.perf_counter()
     root = iteration_dir(checkpoint, iteration) if iteration is not None else inspection.resolve(checkpoint)
     m = mf.read_manifest(root)

@@ -117,14 +117,17 @@ def _read(path: str):
         return "unreadable", age
 
 
-def claim(save_dir: str, stale_after: float = 3600.0, announce=print) -> None:
+def claim(save_dir: str, stale_after: float = 3600.0, announce=print, launcher: bool = False) -> None:
     """Make this job the folder's owner (taking a stale record over, with a message through
-    `announce`), or raise SaveError naming the owner and the record to delete once it stopped."""
+    `announce`), or raise SaveError naming the owner and the record to delete once it stopped.
+    `launcher`: a converter whose worker processes (its descendants) save under this claim."""
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, OWNER)
-    mine = me()
+    mine = dict(me(), launcher=True) if launcher else me()
     with _locked(save_dir):
         owner, age = _read(path)
+        if _my_launcher(owner, mine):
+            return  # a converter's workers write under the converter's own claim
         if _another_live_process(owner, mine, stale_after):
             raise SaveError(
                 f"{save_dir} is being written by a live process of a job with the same id ({owner['job']}, "
@@ -141,6 +144,19 @@ def claim(save_dir: str, stale_after: float = 3600.0, announce=print) -> None:
             who = owner.get("job") if isinstance(owner, dict) else "?"
             announce(f" taking over {save_dir} from job {who}: {reason} ({path})", flush=True)
         durability.atomic_write_json(path, mine)
+
+
+def _my_launcher(owner, mine: dict) -> bool:
+    """The record is a converter's (`launcher`) and of a live ancestor of this process: the
+    torchrun it started started this one."""
+    if not (isinstance(owner, dict) and owner.get("launcher") is True and owner.get("host") == mine["host"]
+            and isinstance(owner.get("pid"), int)):
+        return False
+    try:
+        ancestors = psutil.Process().parents()
+    except psutil.Error:
+        return False
+    return any(p.pid == owner["pid"] and abs(p.create_time() - (owner.get("start") or 0)) <= 0.5 for p in ancestors)
 
 
 def _another_live_process(owner, mine: dict, stale_after: float) -> bool:
