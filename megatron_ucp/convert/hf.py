@@ -7,6 +7,7 @@ atomic tensor. Import reads the HF tensors of one atomic tensor, joins them in f
 weights-only universal checkpoint at iteration 0 through writer.py.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import uuid
 
 import numpy as np
 
-from megatron_ucp.convert import hf_map, output_folder
+from megatron_ucp.convert import hf_config, hf_map, output_folder
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
 from megatron_ucp.format import durability, manifest as mf, safe_files, tensor_io
@@ -173,41 +174,58 @@ class HFReader:
         single = os.path.join(folder, "model.safetensors")
         if os.path.lexists(index):
             weight_map = safe_files.read_json(index, "HF index", MAX_INDEX_BYTES, folder).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise FormatError(f"{index}: no 'weight_map' object")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise FormatError(f"{index}: 'weight_map' is not an object of file names")
             self.files = {k: safe_files.safe_join(folder, v) for k, v in weight_map.items()}
         elif os.path.lexists(single):
-            from safetensors import safe_open
-
             _check_regular(single, folder)
-            with safe_open(single, framework="pt") as f:
+            with _safe_open(single) as f:
                 self.files = {k: single for k in f.keys()}
         else:
             raise IncompleteCheckpointError(f"{folder}: neither model.safetensors nor model.safetensors.index.json "
                                             "(only safetensors folders are read)")
         for path in set(self.files.values()):  # safe_open would block on a FIFO, read /dev/zero...
             _check_regular(path, folder)
-        self._shapes = {}
+        self._shapes, self._dtypes = {}, {}
 
     def shape(self, name: str) -> tuple:
         if name not in self._shapes:
-            from safetensors import safe_open
-
             path = self.files[name]
-            with safe_open(path, framework="pt") as f:
+            with _safe_open(path) as f:
                 for k in f.keys():
                     if self.files.get(k) == path:
-                        self._shapes[k] = tuple(f.get_slice(k).get_shape())
+                        piece = f.get_slice(k)
+                        self._shapes[k], self._dtypes[k] = tuple(piece.get_shape()), piece.get_dtype()
             if name not in self._shapes:
                 raise IncompleteCheckpointError(f"{path}: tensor {name!r} named by the index is missing")
         return self._shapes[name]
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype its header gives ('F32', 'BF16', 'I32', ...)."""
+        self.shape(name)
+        return self._dtypes[name]
+
     def read(self, name: str) -> np.ndarray:
         """The tensor in fp32."""
-        from safetensors import safe_open
+        with _safe_open(self.files[name]) as f:
+            try:
+                return f.get_tensor(name).float().numpy()
+            except Exception as e:  # safetensors' own error type is not importable alike in every release
+                raise FormatError(f"{self.files[name]}: tensor {name!r} cannot be read: {e}") from None
 
-        with safe_open(self.files[name], framework="pt") as f:
-            return f.get_tensor(name).float().numpy()
+
+@contextlib.contextmanager
+def _safe_open(path: str):
+    """safetensors' reader, its refusal (a lying header, a pickle renamed .safetensors) one line
+    naming the file."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(path, framework="pt")
+    except Exception as e:  # SafetensorError, or an OSError of the file
+        raise FormatError(f"{path}: not a readable safetensors file: {e}") from None
+    with f:
+        yield f
 
 
 def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
@@ -227,6 +245,9 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
         if reader.shape(name) != tuple(shape):
             raise FormatError(f"{reader.folder}: tensor {name!r} has shape {list(reader.shape(name))}, "
                               f"config.json implies {list(shape)}")
+        if reader.dtype(name) not in hf_config.FLOAT_DTYPES:
+            raise FormatError(f"{reader.files[name]}: tensor {name!r} has dtype {reader.dtype(name)}, expected "
+                              f"a floating-point one ({', '.join(hf_config.FLOAT_DTYPES)})")
 
 
 def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -> dict:
@@ -234,9 +255,17 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
     from megatron_ucp.convert import writer as stream_write
 
     start = time.perf_counter()
-    config = safe_files.read_json(os.path.join(hf_dir, "config.json"), "HF config", MAX_CONFIG_BYTES, hf_dir)
+    path = os.path.join(hf_dir, "config.json")
+    config = safe_files.read_json(path, "HF config", MAX_CONFIG_BYTES, hf_dir)
+    hf_config.check(config, path, moe=False)
+    archs = config["architectures"]
+    moe = len(archs) == 1 and hf_map.FAMILY_OF.get(archs[0]) == "mixtral"
+    hf_config.check(config, path, moe)
     model = hf_map.from_hf_config(config)
     reader = HFReader(hf_dir)
+    embedding = "model.embed_tokens.weight"
+    hf_config.against_tensors(config, reader.files, reader.shape(embedding) if embedding in reader.files else None,
+                              path, hf_dir)
     check_hf_tensors(model, reader)
     ps = {p.megatron: p for p in hf_map.pairs(model)}
     metas = {n: TensorEntry.new(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}
