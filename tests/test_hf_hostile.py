@@ -3,6 +3,7 @@ config typed and bounded and compared with the tensors present before anything i
 it, safetensors dtypes checked, lying headers one line naming the file; each case fast, exit 2
 from the tool, no output left."""
 
+import errno
 import json
 import os
 import struct
@@ -140,3 +141,103 @@ def test_the_tool_says_one_line_exit_2(llama, tmp_path):
 def test_a_good_folder_still_imports(llama, tmp_path):
     summary = import_(str(llama), str(tmp_path / "out"), progress=False)
     assert summary["tensors"] > 0
+
+
+# ---- the weak classes: disk full, an index's paths, a cache snapshot, export_hf's own input ------
+
+def test_import_disk_full_says_so_and_keeps_nothing(llama, tmp_path, monkeypatch):
+    from megatron_ucp.convert import writer
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(writer, "write_tensor_file", full)
+    out = tmp_path / "out"
+    with pytest.raises(UCPError) as e:
+        import_(str(llama), str(out), progress=False)
+    assert str(e.value).startswith(f"{out}: disk full: No space left on device"), str(e.value)
+    assert not list(out.glob("iter_*")) and not list(out.glob(".tmp*"))
+    monkeypatch.undo()
+    assert import_(str(llama), str(out), progress=False)["tensors"] > 0  # the rerun
+
+
+def test_index_paths_name_the_index(llama, tmp_path):
+    bad = _copy(llama, tmp_path / "bad")
+    (bad / "model.safetensors").rename(bad / "shard.safetensors")
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "../x"}}))
+    with pytest.raises(UCPError, match=r"path '\.\./x' in .*model\.safetensors\.index\.json must be relative"):
+        import_(str(bad), str(tmp_path / "out"), progress=False)
+
+
+def test_a_cache_snapshot_gets_a_hint(llama, tmp_path):
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for f in llama.iterdir():
+        (blobs / f.name).write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(os.path.relpath(blobs / f.name, snap))
+    with pytest.raises(UCPError, match=r"resolves outside .*cp -rL.*local_dir="):
+        import_(str(snap), str(tmp_path / "out"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def universal(llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ucp") / "llama"
+    import_(str(llama), str(out), progress=False)
+    return out
+
+
+def _with_args(universal: Path, dst: Path, **args) -> Path:
+    import shutil
+
+    shutil.copytree(universal, dst)
+    path = dst / "iter_0000000" / "ucp.json"
+    m = json.loads(path.read_text())
+    m["args"].update(args)
+    path.write_text(json.dumps(m))
+    return dst
+
+
+@pytest.mark.parametrize("args,words", [
+    ({"rotary_base": "abc"}, "'args.rotary_base' is 'abc', expected an integer"),
+    ({"rotary_base": 10**400}, "'args.rotary_base' is 1000"),
+    ({"norm_epsilon": [1]}, "'args.norm_epsilon' is [1], expected a finite number"),
+    ({"norm_epsilon": None}, "'args.norm_epsilon' is None, expected a finite number"),
+])
+def test_export_hf_types_the_manifest_args(universal, tmp_path, args, words):
+    from megatron_ucp.convert.hf import export
+
+    ckpt = _with_args(universal, tmp_path / "ckpt", **args)
+    with pytest.raises(UCPError) as e:
+        export(str(ckpt), str(tmp_path / "hf"), progress=False)
+    assert words in str(e.value) and "ucp.json" in str(e.value), str(e.value)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_max_shard_nan_is_one_line(universal, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "export_hf.py"), str(universal), str(tmp_path / "hf"),
+                        "--max-shard-gb", "nan"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--max-shard-gb" in r.stderr, r.stderr[-2000:]
+
+
+def test_export_hf_disk_full_and_a_killed_exports_leftovers(universal, tmp_path, monkeypatch):
+    from megatron_ucp.convert import hf
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = tmp_path / f".tmp_hf_{dead.pid}_0badc0de"  # what a killed export leaves
+    leftover.mkdir()
+    real = hf._to_bytes
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf, "_to_bytes", full)
+    with pytest.raises(UCPError) as e:
+        hf.export(str(universal), str(tmp_path / "hf"), progress=False)
+    assert str(e.value).startswith(f"{tmp_path / 'hf'}: disk full"), str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    monkeypatch.setattr(hf, "_to_bytes", real)
+    hf.export(str(universal), str(tmp_path / "hf"), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

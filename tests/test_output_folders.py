@@ -116,3 +116,30 @@ def test_import_hf_into_a_save_folder_is_refused(save, tmp_path):
     assert _state(save) == before
     summary = hf.import_(str(hf_dir), str(tmp_path / "imported"), progress=False)
     assert summary["tensors"] > 0 and not (tmp_path / "imported" / ownership.OWNER).exists()
+
+
+def test_a_failed_export_torch_dist_leaves_nothing_and_says_disk_full(save, tmp_path, monkeypatch):
+    """The workers die writing (megatron's writer reports a full disk as 'unexpected pos 704 vs
+    598'): the partial OUT/iter_N is removed, so a rerun is not blocked, and a file system with
+    less room than the checkpoint's tensors is called full."""
+    from megatron_ucp.convert import export_torch_dist, launch
+
+    out = tmp_path / "out"
+
+    def dying_workers(nproc, module, argv):
+        (out / "iter_0000004").mkdir(parents=True)
+        (out / "iter_0000004" / "__0_0.distcp").write_bytes(b"partial")
+        return 1
+
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(launch, "run_workers", dying_workers)
+    monkeypatch.setattr(export_torch_dist.os, "statvfs", lambda path: Full())
+    job = plan(str(save), str(out), extra=["--tensor-model-parallel-size", "1"])
+    with pytest.raises(SaveError) as e:
+        export_torch_dist.export(job)
+    message = str(e.value)
+    assert "exit code 1" in message and "disk full: 0.000 GB free" in message and "rerun starts clean" in message
+    assert not (out / "iter_0000004").exists() and not (out / ownership.OWNER).exists()
+    plan(str(save), str(out), extra=["--tensor-model-parallel-size", "1"])  # a rerun is not blocked

@@ -18,11 +18,13 @@ checkpoint's own on the layout that saved it, else reseeded from --seed + iterat
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 
-from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
+from megatron_ucp.errors import (ConfigError, FormatError, IncompleteCheckpointError, SaveError, UCPError,
+                                 run_command)
 
 # Argument groups of pretrain_gpt_ucp.py taken from the checkpoint: what the model is and how it
 # trains. Parallelism, checkpointing and data flags are this export's (or not needed).
@@ -44,7 +46,7 @@ class Plan:
 
 def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
-    from megatron_ucp.convert.output_folder import found_format
+    from megatron_ucp.format.folder import found_format
     from megatron_ucp.format.folder import iteration_dir, iteration_of, read_tracker
     from megatron_ucp.format.manifest import MANIFEST
 
@@ -169,16 +171,35 @@ def export(p: Plan) -> dict:
     from megatron_ucp.format.folder import iteration_dir
 
     start = time.perf_counter()
+    out = iteration_dir(p.output, p.iteration)
     with owned(p.output, p.iteration, "torch_dist", "OUT"):
         code = run_workers(p.nproc, "megatron_ucp.train.workers", [
             "export", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
-    if code != 0:
-        raise FormatError(f"export of {iteration_dir(p.root, p.iteration)} to {p.output} failed "
-                          f"(exit code {code}; the workers' message is above)")
-    out = iteration_dir(p.output, p.iteration)
+        if code != 0:  # plan() saw no such folder, or an empty one: what is there now is this run's
+            shutil.rmtree(out, ignore_errors=True)
+            raise SaveError(f"export of {iteration_dir(p.root, p.iteration)} to {p.output} failed "
+                            f"(exit code {code}; the workers' message is above){_space_note(p)}; "
+                            f"the partial {out} is removed, a rerun starts clean")
     files = [os.path.join(out, f) for f in os.listdir(out)]
     return {"output": out, "files": len(files), "bytes": sum(os.path.getsize(f) for f in files),
             "seconds": time.perf_counter() - start}
+
+
+def _space_note(p: Plan) -> str:
+    """', disk full: ...' when OUT's file system has less room left than the checkpoint's tensors
+    take (megatron's torch_dist writer reports a full disk as 'unexpected pos 704 vs 598')."""
+    from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.format.manifest import read_manifest
+
+    try:
+        st = os.statvfs(p.output)
+        free = st.f_bavail * st.f_frsize
+        needed = sum(e.file_size or 0 for e in read_manifest(iteration_dir(p.root, p.iteration)).tensors.values())
+    except (OSError, UCPError):
+        return ""
+    if free >= needed:
+        return ""
+    return f", disk full: {free / 1e9:.3f} GB free on the file system of {p.output}, the checkpoint takes about {needed / 1e9:.3f} GB"
 
 
 def main(argv=None) -> int:

@@ -8,24 +8,12 @@ checkpoint (that checkpoint's verification would then fail).
 """
 
 import contextlib
+import errno
 import os
 
-from megatron_ucp.convert.legacy_files import is_legacy
 from megatron_ucp.engine import ownership
-from megatron_ucp.errors import ConfigError
-from megatron_ucp.format.folder import MANIFEST, TRACKER, iteration_dir, iteration_of, read_tracker
-
-
-def found_format(directory: str):
-    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
-    if os.path.lexists(os.path.join(directory, MANIFEST)):
-        return "universal", MANIFEST
-    if is_legacy(directory):
-        return "torch", "mp_rank_* folders"
-    names = os.listdir(directory)
-    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-        return "torch_dist", ".metadata / *.distcp files"
-    return None, None
+from megatron_ucp.errors import ConfigError, SaveError
+from megatron_ucp.format.folder import TRACKER, found_format, iteration_dir, iteration_of, read_tracker
 
 
 def enclosing_checkpoint(path: str):
@@ -76,3 +64,13 @@ def owned(output: str, iteration: int, fmt: str, flag: str = "output"):
         yield
     finally:
         ownership.release(output)
+
+
+def disk_full(error: BaseException, output: str):
+    """A SaveError saying disk full for an out-of-space OSError (ENOSPC, EDQUOT) while writing
+    `output`, else None; the caller has removed what it wrote, so a rerun starts clean."""
+    if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    where = f" ({error.filename})" if error.filename else ""
+    return SaveError(f"{output}: disk full: {error.strerror or error}{where}; nothing was kept "
+                     "(the partial output is removed): free space or choose another folder, then rerun")

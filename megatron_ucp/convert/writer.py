@@ -134,8 +134,11 @@ def _write_all(output_dir, iteration, metas, opener, head, rng, workers, progres
             durability.atomic_write_json(folder.rng_file(os.path.join(tmp, "rng"), rank), state)
         manifest = dataclasses.replace(head, tensors=dict(sorted(entries.items())))
         folder.commit(output_dir, tmp, iteration, manifest.to_json())
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = output_folder.disk_full(e, output_dir)
+        if full is not None:
+            raise full from e
         raise
     finally:
         _JOB = None

@@ -257,7 +257,7 @@ def check_format(directory: str, wanted: str) -> None:
     format's loader (megatron's unpickles; a universal resume must not quietly become one)."""
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
-    from megatron_ucp.convert.output_folder import found_format
+    from megatron_ucp.format.folder import found_format
 
     found, evidence = found_format(directory)
     if found is None:
