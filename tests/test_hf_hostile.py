@@ -76,6 +76,16 @@ def test_config_is_typed_and_checked_against_the_tensors(llama, tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_distinct_lm_head_under_tied_embeddings_is_refused(llama, tmp_path):
+    """It was dropped without a word (with tie_word_embeddings "false", which counted as true)."""
+    import numpy as np
+
+    head = np.ones((64, 16), np.float32)
+    bad = _copy(llama, tmp_path / "bad", {"tie_word_embeddings": True}, tensors={"lm_head.weight": head})
+    with pytest.raises(UCPError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        import_(str(bad), str(tmp_path / "out"), progress=False)
+
+
 def _relabel(path: Path, name: str, dtype: str) -> None:
     """Give `name` another dtype in the header, same bytes (and header length)."""
     raw = path.read_bytes()

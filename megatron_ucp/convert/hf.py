@@ -279,6 +279,11 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
         raise IncompleteCheckpointError(f"{reader.folder}: tensor {missing[0]!r} missing"
                                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     ignored = {"lm_head.weight"} if model.tied else set()
+    if model.tied and "lm_head.weight" in reader.files and not np.array_equal(
+            reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
+        raise FormatError(f"{reader.files['lm_head.weight']}: 'lm_head.weight' differs from "
+                          "'model.embed_tokens.weight' but config.json says tie_word_embeddings true; "
+                          "expected a tied copy (or tie_word_embeddings false)")
     extra = sorted(n for n in set(reader.files) - set(want) - ignored if not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise FormatError(f"{reader.folder}: tensor {extra[0]!r} has no place in a "
