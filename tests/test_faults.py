@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,25 @@ def _add_unexpected(ckpt):
         extra, dict(m["tensors"][TENSOR], file=f"tensors/{extra}.safetensors")))(ckpt)
 
 
+def _add_junk(ckpt):
+    """A manifest entry for a tensor no model has, whose file is a 768 GiB sparse file with a
+    valid header, its recorded size and a checksum per block (issue 38: --no-strict-load read
+    and hashed all of it, 356 s)."""
+    from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
+
+    m = json.loads(_manifest(ckpt).read_text())
+    block = m["tensors"][TENSOR]["block_bytes"]
+    entry = TensorEntry.new("junk", (2**18, 2**18), False, 0, ["param", "exp_avg", "exp_avg_sq"])
+    layout = file_layout(entry)
+    path = _tensor(ckpt, "junk")
+    with open(path, "wb") as f:
+        f.write(layout.header)
+        f.truncate(layout.file_size)
+    blocks = -(-(layout.file_size - len(layout.header)) // block)
+    m["tensors"]["junk"] = entry.written(layout.file_size, block, ["00000000"] * blocks).to_json()
+    _manifest(ckpt).write_text(json.dumps(m))
+
+
 # name: (corruption of a copy of the checkpoint, extra argv, substrings every rank's error must hold)
 CASES = {
     "bit_flip": (_flip, [], ["IntegrityError", f"{TENSOR}.safetensors", "block"]),
@@ -117,6 +137,11 @@ def faults(tmp_path_factory):
     unexpected = work / "unexpected_tensor"
     steps.append({"name": "unexpected_not_strict", "op": "load_expecting_error", "fatal": False,
                   "argv": ARGS + ["--load", str(unexpected), "--no-strict-load", "--train-iters", "6"]})
+    junk = work / "junk"
+    shutil.copytree(good, junk)
+    _add_junk(junk)
+    steps.append({"name": "junk_not_strict", "op": "load_expecting_error", "fatal": False,
+                  "argv": ARGS + ["--load", str(junk), "--no-strict-load", "--train-iters", "6"]})
     full = work / "disk_full"
     shutil.copytree(good, full)
     steps.append({"name": "disk_full", "op": "save_with_disk_full", "rank": 1, "fatal": False,
@@ -145,6 +170,27 @@ def test_bad_input_is_a_clear_error_on_every_rank(faults, case):
 def test_unexpected_tensors_load_when_not_strict(faults):
     _, results = faults
     assert ok(results, "unexpected_not_strict") == {"loaded": 4, "seconds": ok(results, "unexpected_not_strict")["seconds"]}
+
+
+def test_an_unrequested_tensor_is_never_read(faults):
+    """The 768 GiB file of an entry no model asks for: neither read nor hashed on load."""
+    work, results = faults
+    r = ok(results, "junk_not_strict")
+    assert r.get("loaded") == 4 and r["seconds"] < 60, r
+    assert (work / "junk" / "iter_0000004" / "tensors" / "junk.safetensors").stat().st_size > 3 * 2**38
+
+
+def test_inspect_verify_stops_at_the_first_failing_block(faults):
+    """inspect --verify on the same checkpoint: the junk file's first block fails, and the
+    check of that file stops there (it hashed all 1 TiB, then each block again)."""
+    from megatron_ucp.format.inspection import verify
+
+    work, _ = faults
+    start = time.perf_counter()
+    problems = verify(str(work / "junk" / "iter_0000004"))
+    assert time.perf_counter() - start < 60
+    junk = [p for p in problems if "junk.safetensors" in p]
+    assert len(junk) == 1 and "block 0 " in junk[0], problems
 
 
 def test_disk_full_fails_cleanly(faults):

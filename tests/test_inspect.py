@@ -159,7 +159,9 @@ def test_flipped_byte_names_file_and_block(ckpt):
     assert str(path) in r.stdout and "block 3 " in r.stdout
 
 
-def test_several_bad_blocks_all_reported(ckpt):
+def test_a_file_check_stops_at_its_first_bad_block(ckpt):
+    """A damaged file is damaged either way; a lying entry may name a terabyte of blocks
+    (issue 38), so the check of a file stops at its first failing block."""
     save, root = ckpt
     name = "embedding.word_embeddings.weight"
     path = _file(root, name)
@@ -169,7 +171,7 @@ def test_several_bad_blocks_all_reported(ckpt):
         raw[header + block * BLOCK] ^= 0xFF
     path.write_bytes(bytes(raw))
     problems = verify(str(save))
-    assert [("block 0 " in p, "block 4 " in p) for p in problems] == [(True, False), (False, True)]
+    assert [("block 0 " in p, "block 4 " in p) for p in problems] == [(True, False)]
 
 
 def test_truncated_file(ckpt, cli):

@@ -33,7 +33,7 @@ def export_main(argv=None) -> int:
     p.add_argument("--no-verify", action="store_true", help="skip the block checksums of the tensors read")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
-    s = export(a.checkpoint, a.output, a.iteration, a.dtype, int(a.max_shard_gb * 1e9),
+    s = export(a.checkpoint, a.output, a.iteration, a.dtype, a.max_shard_gb * 1e9,
                not a.no_progress, not a.no_verify)
     print(f"exported iteration {s['iteration']} as {s['family']}: {s['tensors']} tensors in {s['files']} "
           f"files, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s ({s['GB/s']:.3f} GB/s) into {s['output']}")

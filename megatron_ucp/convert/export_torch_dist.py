@@ -18,11 +18,13 @@ checkpoint's own on the layout that saved it, else reseeded from --seed + iterat
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 
-from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
+from megatron_ucp.errors import (ConfigError, FormatError, IncompleteCheckpointError, SaveError, UCPError,
+                                 run_command)
 
 # Argument groups of pretrain_gpt_ucp.py taken from the checkpoint: what the model is and how it
 # trains. Parallelism, checkpointing and data flags are this export's (or not needed).
@@ -44,7 +46,7 @@ class Plan:
 
 def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
-    from megatron_ucp.convert.to_universal import found_format
+    from megatron_ucp.format.folder import found_format
     from megatron_ucp.format.folder import iteration_dir, iteration_of, read_tracker
     from megatron_ucp.format.manifest import MANIFEST
 
@@ -71,14 +73,19 @@ def resolve(ckpt: str, iteration=None):
     return ckpt, it
 
 
-def carried_argv(saved_args: dict) -> list:
-    """The checkpoint's model and training flags, as pretrain_gpt_ucp.py arguments."""
-    from megatron_ucp.convert.source_model import argv_from_args
+def carried_names() -> set:
+    """The argument names taken from the checkpoint: its model and training flags."""
     from megatron_ucp.mcore.flags import build_parser
 
     groups = [g for g in build_parser()._action_groups if g.title in _CARRIED_GROUPS]
-    names = {a.dest for g in groups for a in g._group_actions} | {"tokenizer_type"}
-    return argv_from_args(saved_args, only=names)
+    return {a.dest for g in groups for a in g._group_actions} | {"tokenizer_type"}
+
+
+def carried_argv(saved_args: dict) -> list:
+    """The checkpoint's model and training flags, as pretrain_gpt_ucp.py arguments."""
+    from megatron_ucp.convert.source_model import argv_from_args
+
+    return argv_from_args(saved_args, only=carried_names())
 
 
 def _refuse_checkpoint_flags(extra) -> None:
@@ -112,7 +119,9 @@ def _layout_words(args, optim_format: str) -> str:
 def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None) -> Plan:
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
     from megatron_ucp.format.folder import iteration_dir
-    from megatron_ucp.format.manifest import read_manifest
+    from megatron_ucp.convert.output_folder import check_save_folder
+    from megatron_ucp.format.manifest import MANIFEST, read_manifest
+    from megatron_ucp.mcore import saved_args
     from megatron_ucp.mcore.flag_validation import validate
     from megatron_ucp.mcore.flags import build_parser
 
@@ -122,6 +131,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     if not saved and not extra:
         raise ConfigError(f"{iteration_dir(root, it)}: the manifest stores no training arguments; "
                           "give the model's flags after '--' (--num-layers ... --hidden-size ...)")
+    saved_args.check(saved, carried_names(), m, os.path.join(iteration_dir(root, it), MANIFEST))
     argv = carried_argv(saved) + list(extra) + ["--cpu", "--mock-data", "--ckpt-format", "torch_dist"]
     try:
         _refuse_checkpoint_flags(extra)
@@ -141,6 +151,7 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     out_dir = iteration_dir(output, it)
     if os.path.exists(output) and not os.path.isdir(output):
         raise ConfigError(f"{output}: exists and is not a folder")
+    check_save_folder(output, it, "torch_dist", "OUT")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir}: already exists and is not empty; remove it or choose another OUT")
     padded = m.layout.get("padded_vocab_size")
@@ -156,18 +167,39 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
 def export(p: Plan) -> dict:
     """Run the export's worker processes; returns a summary (files, bytes, seconds)."""
     from megatron_ucp.convert.launch import run_workers
+    from megatron_ucp.convert.output_folder import owned
     from megatron_ucp.format.folder import iteration_dir
 
     start = time.perf_counter()
-    code = run_workers(p.nproc, "megatron_ucp.train.workers", [
-        "export", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
-    if code != 0:
-        raise FormatError(f"export of {iteration_dir(p.root, p.iteration)} to {p.output} failed "
-                          f"(exit code {code}; the workers' message is above)")
     out = iteration_dir(p.output, p.iteration)
+    with owned(p.output, p.iteration, "torch_dist", "OUT"):
+        code = run_workers(p.nproc, "megatron_ucp.train.workers", [
+            "export", p.root, p.output, "--iteration", str(p.iteration), "--", *p.argv])
+        if code != 0:  # plan() saw no such folder, or an empty one: what is there now is this run's
+            shutil.rmtree(out, ignore_errors=True)
+            raise SaveError(f"export of {iteration_dir(p.root, p.iteration)} to {p.output} failed "
+                            f"(exit code {code}; the workers' message is above){_space_note(p)}; "
+                            f"the partial {out} is removed, a rerun starts clean")
     files = [os.path.join(out, f) for f in os.listdir(out)]
     return {"output": out, "files": len(files), "bytes": sum(os.path.getsize(f) for f in files),
             "seconds": time.perf_counter() - start}
+
+
+def _space_note(p: Plan) -> str:
+    """', disk full: ...' when OUT's file system has less room left than the checkpoint's tensors
+    take (megatron's torch_dist writer reports a full disk as 'unexpected pos 704 vs 598')."""
+    from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.format.manifest import read_manifest
+
+    try:
+        st = os.statvfs(p.output)
+        free = st.f_bavail * st.f_frsize
+        needed = sum(e.file_size or 0 for e in read_manifest(iteration_dir(p.root, p.iteration)).tensors.values())
+    except (OSError, UCPError):
+        return ""
+    if free >= needed:
+        return ""
+    return f", disk full: {free / 1e9:.3f} GB free on the file system of {p.output}, the checkpoint takes about {needed / 1e9:.3f} GB"
 
 
 def main(argv=None) -> int:

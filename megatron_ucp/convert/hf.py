@@ -7,6 +7,7 @@ atomic tensor. Import reads the HF tensors of one atomic tensor, joins them in f
 weights-only universal checkpoint at iteration 0 through writer.py.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -17,11 +18,14 @@ import uuid
 
 import numpy as np
 
-from megatron_ucp.convert import hf_map
+from megatron_ucp.convert import hf_config, hf_map, output_folder
 from megatron_ucp.convert.source_model import given_args
+from megatron_ucp.engine.ownership import process_start
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
 from megatron_ucp.format import durability, manifest as mf, safe_files, tensor_io
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
+from megatron_ucp.mcore import saved_args
+from megatron_ucp.mcore.flags import build_parser
 
 HF_DTYPES = {"fp32": ("F32", 4, "float32"), "bf16": ("BF16", 2, "bfloat16")}
 MAX_CONFIG_BYTES = 2**20
@@ -88,9 +92,24 @@ def _fresh_output(output: str) -> str:
         raise ConfigError(f"{output} exists and is not an empty folder; choose another output")
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".tmp_{os.path.basename(os.path.abspath(output))}_{uuid.uuid4().hex[:8]}")
+    prefix = f".tmp_{os.path.basename(os.path.abspath(output))}_"
+    _remove_dead_exports(parent, prefix)
+    tmp = os.path.join(parent, f"{prefix}{os.getpid()}_{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
     return tmp
+
+
+def _remove_dead_exports(parent: str, prefix: str) -> None:
+    """The temporary folders of earlier exports to the same output whose process is gone (a
+    killed export left them in the parent folder for ever)."""
+    for name in os.listdir(parent):
+        pid = name[len(prefix):].split("_")[0] if name.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and process_start(int(pid)) is None:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+# The manifest's arguments the HF config takes its numbers from (hf_map.from_checkpoint).
+HF_ARGS = ("rotary_base", "norm_epsilon", "max_position_embeddings", "seq_length", "moe_router_topk")
 
 
 def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9,
@@ -103,10 +122,16 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
 
     if dtype not in HF_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {sorted(HF_DTYPES)}")
+    if not (isinstance(max_shard_bytes, (int, float)) and math.isfinite(max_shard_bytes) and max_shard_bytes >= 1):
+        raise ConfigError(f"--max-shard-gb: expected a finite size > 0, got {max_shard_bytes / 1e9!r} GB")
+    max_shard_bytes = int(max_shard_bytes)
+    output_folder.refuse_inside_checkpoint(output, "output")
     start = time.perf_counter()
     root = iteration_dir(checkpoint, iteration) if iteration is not None else inspection.resolve(checkpoint)
     m = mf.read_manifest(root)
-    model = hf_map.from_checkpoint(m.architecture, m.args or {}, m.tensors)
+    args = m.args if isinstance(m.args, dict) else {}
+    saved_args.typed(args, HF_ARGS, build_parser(), os.path.join(root, mf.MANIFEST))
+    model = hf_map.from_checkpoint(m.architecture, args, m.tensors)
     hf_map.check_names(model, m.tensors, root)
     ps = hf_map.pairs(model)
     for p in ps:
@@ -147,8 +172,11 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
         if os.path.isdir(output):
             os.rmdir(output)  # empty, checked above
         os.rename(tmp, output)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = output_folder.disk_full(e, output)
+        if full is not None:
+            raise full from e
         raise
     seconds = time.perf_counter() - start
     return {"family": hf_map.ARCHITECTURES[model.family], "iteration": m.iteration, "output": output,
@@ -160,7 +188,23 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
 
 def _check_regular(path: str, folder: str) -> None:
     """A model folder is input from strangers: each file it names must be a regular file in it."""
-    os.close(safe_files.open_regular(path, "HF safetensors file", folder))
+    try:
+        os.close(safe_files.open_regular(path, "HF safetensors file", folder))
+    except FormatError as e:
+        raise FormatError(f"{e}{_cache_hint(folder)}") from None
+
+
+def _cache_hint(folder: str) -> str:
+    """For a Hugging Face cache snapshot (files that are symlinks into ../../blobs): how to get a
+    folder of its own, which is what is read (a link out of the folder is never followed)."""
+    try:
+        links = [n for n in os.listdir(folder) if os.path.islink(os.path.join(folder, n))]
+    except OSError:
+        return ""
+    if not links:
+        return ""
+    return (f" ({folder} holds symlinks, like a Hugging Face cache snapshot linking into ../../blobs: copy it "
+            "with `cp -rL`, or download with `local_dir=`, and import the copy)")
 
 
 class HFReader:
@@ -172,41 +216,58 @@ class HFReader:
         single = os.path.join(folder, "model.safetensors")
         if os.path.lexists(index):
             weight_map = safe_files.read_json(index, "HF index", MAX_INDEX_BYTES, folder).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise FormatError(f"{index}: no 'weight_map' object")
-            self.files = {k: safe_files.safe_join(folder, v) for k, v in weight_map.items()}
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise FormatError(f"{index}: 'weight_map' is not an object of file names")
+            self.files = {k: safe_files.safe_join(folder, v, index) for k, v in weight_map.items()}
         elif os.path.lexists(single):
-            from safetensors import safe_open
-
             _check_regular(single, folder)
-            with safe_open(single, framework="pt") as f:
+            with _safe_open(single) as f:
                 self.files = {k: single for k in f.keys()}
         else:
             raise IncompleteCheckpointError(f"{folder}: neither model.safetensors nor model.safetensors.index.json "
                                             "(only safetensors folders are read)")
         for path in set(self.files.values()):  # safe_open would block on a FIFO, read /dev/zero...
             _check_regular(path, folder)
-        self._shapes = {}
+        self._shapes, self._dtypes = {}, {}
 
     def shape(self, name: str) -> tuple:
         if name not in self._shapes:
-            from safetensors import safe_open
-
             path = self.files[name]
-            with safe_open(path, framework="pt") as f:
+            with _safe_open(path) as f:
                 for k in f.keys():
                     if self.files.get(k) == path:
-                        self._shapes[k] = tuple(f.get_slice(k).get_shape())
+                        piece = f.get_slice(k)
+                        self._shapes[k], self._dtypes[k] = tuple(piece.get_shape()), piece.get_dtype()
             if name not in self._shapes:
                 raise IncompleteCheckpointError(f"{path}: tensor {name!r} named by the index is missing")
         return self._shapes[name]
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype its header gives ('F32', 'BF16', 'I32', ...)."""
+        self.shape(name)
+        return self._dtypes[name]
+
     def read(self, name: str) -> np.ndarray:
         """The tensor in fp32."""
-        from safetensors import safe_open
+        with _safe_open(self.files[name]) as f:
+            try:
+                return f.get_tensor(name).float().numpy()
+            except Exception as e:  # safetensors' own error type is not importable alike in every release
+                raise FormatError(f"{self.files[name]}: tensor {name!r} cannot be read: {e}") from None
 
-        with safe_open(self.files[name], framework="pt") as f:
-            return f.get_tensor(name).float().numpy()
+
+@contextlib.contextmanager
+def _safe_open(path: str):
+    """safetensors' reader, its refusal (a lying header, a pickle renamed .safetensors) one line
+    naming the file."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(path, framework="pt")
+    except Exception as e:  # SafetensorError, or an OSError of the file
+        raise FormatError(f"{path}: not a readable safetensors file: {e}") from None
+    with f:
+        yield f
 
 
 def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
@@ -218,6 +279,11 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
         raise IncompleteCheckpointError(f"{reader.folder}: tensor {missing[0]!r} missing"
                                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     ignored = {"lm_head.weight"} if model.tied else set()
+    if model.tied and "lm_head.weight" in reader.files and not np.array_equal(
+            reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
+        raise FormatError(f"{reader.files['lm_head.weight']}: 'lm_head.weight' differs from "
+                          "'model.embed_tokens.weight' but config.json says tie_word_embeddings true; "
+                          "expected a tied copy (or tie_word_embeddings false)")
     extra = sorted(n for n in set(reader.files) - set(want) - ignored if not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise FormatError(f"{reader.folder}: tensor {extra[0]!r} has no place in a "
@@ -226,6 +292,9 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
         if reader.shape(name) != tuple(shape):
             raise FormatError(f"{reader.folder}: tensor {name!r} has shape {list(reader.shape(name))}, "
                               f"config.json implies {list(shape)}")
+        if reader.dtype(name) not in hf_config.FLOAT_DTYPES:
+            raise FormatError(f"{reader.files[name]}: tensor {name!r} has dtype {reader.dtype(name)}, expected "
+                              f"a floating-point one ({', '.join(hf_config.FLOAT_DTYPES)})")
 
 
 def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -> dict:
@@ -233,9 +302,20 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
     from megatron_ucp.convert import writer as stream_write
 
     start = time.perf_counter()
-    config = safe_files.read_json(os.path.join(hf_dir, "config.json"), "HF config", MAX_CONFIG_BYTES, hf_dir)
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        config = safe_files.read_json(path, "HF config", MAX_CONFIG_BYTES, hf_dir)
+    except FormatError as e:
+        raise FormatError(f"{e}{_cache_hint(hf_dir)}") from None
+    hf_config.check(config, path, moe=False)
+    archs = config["architectures"]
+    moe = len(archs) == 1 and hf_map.FAMILY_OF.get(archs[0]) == "mixtral"
+    hf_config.check(config, path, moe)
     model = hf_map.from_hf_config(config)
     reader = HFReader(hf_dir)
+    embedding = "model.embed_tokens.weight"
+    hf_config.against_tensors(config, reader.files, reader.shape(embedding) if embedding in reader.files else None,
+                              path, hf_dir)
     check_hf_tensors(model, reader)
     ps = {p.megatron: p for p in hf_map.pairs(model)}
     metas = {n: TensorEntry.new(n, p.shape, n in hf_map.VOCAB, 0, ["param"]) for n, p in ps.items()}

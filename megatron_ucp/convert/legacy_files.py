@@ -9,13 +9,12 @@ a tensor's pages back after use, so memory holds the tensors in flight, not the 
 """
 
 import os
-import re
 
 from megatron_ucp.errors import IncompleteCheckpointError, LayoutError
+from megatron_ucp.format.folder import RANK_DIR, is_legacy  # noqa: F401 - is_legacy: the converters' name for it
 
 MODEL_FILE = "model_optim_rng.pt"
 OPTIM_FILE = "distrib_optim.pt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
@@ -23,15 +22,9 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def is_legacy(directory: str) -> bool:
-    """An iteration folder of Megatron-LM's legacy per-rank format."""
-    return os.path.isdir(directory) and any(
-        _RANK_DIR.match(n) and os.path.isdir(os.path.join(directory, n)) for n in os.listdir(directory))
-
-
 def parse_rank_dir(name: str):
     """'mp_rank_01_002' -> (tp_rank 1, pp_rank 2); expert-parallel folders are refused."""
-    m = _RANK_DIR.match(name)
+    m = RANK_DIR.match(name)
     if not m:
         return None
     if m.group(3) is not None:

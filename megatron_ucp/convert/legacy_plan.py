@@ -25,7 +25,7 @@ from megatron_ucp.format.layout import Rule, atomic_shape_from_local, infer_rule
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
-def model_geometry(a: dict, world: int, vocab: int, padded: int):
+def model_geometry(a: dict, world: int, vocab: int, padded: int, origin: str = "the stored arguments"):
     """Module name in the whole model (global layer numbers) -> megatron's description of that
     parameter (model_map): its atomic name, shape, packed halves and vocabulary rows; and the
     model's architecture record (manifest.architecture). The model
@@ -35,7 +35,7 @@ def model_geometry(a: dict, world: int, vocab: int, padded: int):
                                                    source_args)
     from megatron_ucp.mcore.model_map import geometry
 
-    source = source_args(argv_from_args(a) + ["--cpu"], world)
+    source = source_args(argv_from_args(a) + ["--cpu"], world, origin)
     with single_process_megatron():
         gpt = meta_model(source, padded)
         found = {id(g.tensor): g for g in geometry(gpt, vocab)}
@@ -199,7 +199,7 @@ def plan_conversion(iter_dir: str, overrides: dict | None = None) -> Plan:
                     if padded < vocab:
                         raise LayoutError(f"{path}: {padded} vocabulary rows over TP {tp}, fewer than --vocab-size "
                                           f"{vocab}")
-                    described, architecture = model_geometry(a, tp * pp * int(dp or 1), vocab, padded)
+                    described, architecture = model_geometry(a, tp * pp * int(dp or 1), vocab, padded, path)
                 where = global_name(n, num_layers, pp, pp_rank, vpp, vp_stage, len(layers))
                 g = described.get(where)
                 if g is None:

@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import copy
 
-from megatron_ucp.errors import ConfigError
+from megatron_ucp.errors import ConfigError, FormatError
 
 # Arguments that describe where checkpoints go, not the model or the layout.
 _NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_universal",
@@ -73,12 +73,20 @@ def _given(parser, argv: list) -> dict:
     return vars(parser.parse_args(argv))
 
 
-def source_args(argv: list, world: int):
-    """The namespace `argv` gives pretrain_gpt_ucp.py, validated for a world of `world` processes."""
+def source_args(argv: list, world: int, origin: str = "the stored arguments"):
+    """The namespace `argv` gives pretrain_gpt_ucp.py, validated for a world of `world` processes.
+    A value it cannot read is one line naming `origin` (the file the arguments came from), not
+    argparse's usage and exit."""
     from megatron_ucp.mcore.flag_validation import validate
     from megatron_ucp.mcore.flags import build_parser
 
-    source = build_parser().parse_args(argv)
+    parser = build_parser()
+
+    def refuse(message):
+        raise FormatError(f"{origin}: {message} (a stored argument, or a flag after '--')")
+
+    parser.error = refuse
+    source = parser.parse_args(argv)
     validate(source, world)
     return source
 

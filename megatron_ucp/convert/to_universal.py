@@ -30,21 +30,6 @@ def stored_args(iteration_dir: str) -> dict:
     return dict(args) if isinstance(args, dict) else {}
 
 
-def found_format(directory: str):
-    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
-    from megatron_ucp.convert.legacy_files import is_legacy
-    from megatron_ucp.format.folder import MANIFEST
-
-    if os.path.lexists(os.path.join(directory, MANIFEST)):
-        return "universal", MANIFEST
-    if is_legacy(directory):
-        return "torch", "mp_rank_* folders"
-    names = os.listdir(directory)
-    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-        return "torch_dist", ".metadata / *.distcp files"
-    return None, None
-
-
 def _resolve(input_dir: str, iteration):
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.format.folder import iteration_dir, read_tracker
@@ -59,14 +44,28 @@ def _resolve(input_dir: str, iteration):
     return input_dir, it
 
 
+def _refuse_universal(directory: str):
+    raise ConfigError(f"--input {directory} holds a universal checkpoint (ucp.json) already: nothing to convert; "
+                      "load it with --load, or export it with tools/export_torch_dist.py or tools/export_hf.py")
+
+
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
             progress=True, via_megatron=False) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
-    from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.format.folder import MANIFEST, found_format, iteration_dir
 
+    if os.path.lexists(os.path.join(input_dir, MANIFEST)):
+        _refuse_universal(input_dir)
     root, it = _resolve(input_dir, iteration)
+    found = found_format(iteration_dir(root, it))[0]
+    if found == "universal":
+        _refuse_universal(iteration_dir(root, it))
+    if found is None:
+        raise IncompleteCheckpointError(f"{iteration_dir(root, it)}: holds no checkpoint (no .metadata, "
+                                        "*.distcp, common.pt or mp_rank_* folders); expected a torch_dist or "
+                                        "legacy torch checkpoint")
     if is_legacy(iteration_dir(root, it)):
         from megatron_ucp.convert import legacy as legacy_convert
 
@@ -87,9 +86,12 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     from megatron_ucp.convert.launch import run_workers
 
     start = time.perf_counter()
-    code = run_workers(world, "megatron_ucp.train.workers", [
-        "convert", "--output", output_dir, "--", *argv,
-        "--cpu", "--ckpt-format", "torch_dist", "--load", root, "--ckpt-step", str(it)])
+    from megatron_ucp.convert.output_folder import owned
+
+    with owned(output_dir, it, "universal", "--output"):  # the workers save under this claim
+        code = run_workers(world, "megatron_ucp.train.workers", [
+            "convert", "--output", output_dir, "--", *argv,
+            "--cpu", "--ckpt-format", "torch_dist", "--load", root, "--ckpt-step", str(it)])
     if code != 0:
         raise FormatError(f"conversion of {iteration_dir(root, it)} failed (exit code {code})")
     seconds = time.perf_counter() - start

@@ -12,6 +12,7 @@ The optimizer state is found by its sharding: in the model's coordinates (none,
 """
 
 import re
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -45,7 +46,8 @@ def _source_args(iter_dir: str, common: dict, extra_argv, nproc):
     world = nproc or int(stored.get("world_size") or 0)
     if world < 1:
         raise ConfigError(f"{iter_dir}: the checkpoint does not store its world size: pass --nproc")
-    source = source_args(argv_from_args(stored) + list(extra_argv) + ["--cpu"], world)
+    source = source_args(argv_from_args(stored) + list(extra_argv) + ["--cpu"], world,
+                         os.path.join(iter_dir, "common.pt"))
     return stored, source, world
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Dict
 
 import numpy as np
 
+from megatron_ucp.convert import output_folder
 from megatron_ucp.errors import ConfigError, FormatError
 from megatron_ucp.format import checksums, durability, folder, manifest as mf
 from megatron_ucp.format.folder import iteration_dir
@@ -91,13 +92,23 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEnt
     """Write every tensor of `metas` (`opener(name)` returns its state assembler), the RNG files
     and the manifest (`head` plus the tensors' entries); commit; return the summary, timed from
     `started` (a `time.perf_counter()` value: the conversion's start, planning included)."""
-    global _JOB
-    from tqdm import tqdm
-
     start = time.perf_counter() if started is None else started
     final = iteration_dir(output_dir, iteration)
     if os.path.exists(final):
         raise ConfigError(f"{final} exists already; choose another --output")
+    with output_folder.owned(output_dir, iteration, "universal"):
+        entries = _write_all(output_dir, iteration, metas, opener, head, rng, workers, progress)
+    seconds = time.perf_counter() - start
+    nbytes = sum(e.file_size for e in entries.values())
+    return {"iteration": iteration, "output": final, "tensors": len(entries), "bytes": nbytes,
+            "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
+
+
+def _write_all(output_dir, iteration, metas, opener, head, rng, workers, progress) -> dict:
+    """Write into a temporary folder and commit it; the entries written."""
+    global _JOB
+    from tqdm import tqdm
+
     tmp = folder.begin(output_dir, iteration)
     # Largest first: the pool's tail is short, and memory peaks early where it shows.
     names = sorted(metas, key=lambda n: -math.prod(metas[n].shape))
@@ -123,12 +134,12 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEnt
             durability.atomic_write_json(folder.rng_file(os.path.join(tmp, "rng"), rank), state)
         manifest = dataclasses.replace(head, tensors=dict(sorted(entries.items())))
         folder.commit(output_dir, tmp, iteration, manifest.to_json())
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = output_folder.disk_full(e, output_dir)
+        if full is not None:
+            raise full from e
         raise
     finally:
         _JOB = None
-    seconds = time.perf_counter() - start
-    nbytes = sum(e.file_size for e in entries.values())
-    return {"iteration": iteration, "output": final, "tensors": len(entries), "bytes": nbytes,
-            "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
+    return entries

@@ -13,6 +13,7 @@ count, scheduler, iteration and consumed samples are global; RNG is restored on 
 and reseeded deterministically on a different one.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -48,7 +49,7 @@ class LoadResult:
     read_notes: tuple = ()  # why a replica group read per rank under the policies "once" and "auto"
 
 
-def _check_tensors(m: mf.Manifest, tensors, path: str, strict: bool, owned=()) -> None:
+def _check_tensors(m: mf.Manifest, tensors, path: str) -> None:
     saved = m.tensors
     wanted = {t.name for t in tensors}
     missing = sorted(wanted - saved.keys())
@@ -61,21 +62,31 @@ def _check_tensors(m: mf.Manifest, tensors, path: str, strict: bool, owned=()) -
             raise LayoutError(
                 f"{path}: tensor {t.name!r} has shape {list(shape)} in the checkpoint, the model "
                 f"expects {list(t.atomic_shape)}")
+
+
+def _unrequested(m: mf.Manifest, tensors, path: str, strict: bool, owned) -> set:
+    """Collective: the checkpoint tensors no rank's model asks for; with `strict` an error.
+
+    Each checkpoint tensor is checked by its owner (planner.owner_of; `owned`: this rank's),
+    told by the ranks that hold it: a rank sends and receives names of its own share, not the
+    world's. Only the (normally empty) lists of unrequested names go to every rank: a load
+    neither reads nor hashes them (a 4 KB manifest entry may name a 1 TiB file)."""
+    told = exchange_objects(names_by_owner({t.name for t in tensors}, dist.get_world_size()))
+
+    def check():
+        unexpected = unclaimed(owned, told.values())
+        if strict and unexpected:
+            raise LayoutError(
+                f"{path}: checkpoint tensors have no place in the model: "
+                f"{unexpected[:5]} (strict=False, --no-strict-load, ignores them)")
+        return unexpected
+
+    mine = run_everywhere(check)
     if strict:
-        # Each rank sees only its own tensors: the union over ranks must cover the checkpoint.
-        # Each checkpoint tensor is checked by its owner (planner.owner_of; `owned`: this
-        # rank's), told by the ranks that hold it: a rank sends and receives names of its own
-        # share, not the world's.
-        told = exchange_objects(names_by_owner(wanted, dist.get_world_size()))
-
-        def check():
-            unexpected = unclaimed(owned, told.values())
-            if unexpected:
-                raise LayoutError(
-                    f"{path}: checkpoint tensors have no place in the model: "
-                    f"{unexpected[:5]} (pass strict=False to ignore them)")
-
-        run_everywhere(check)
+        return set()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return set().union(*map(set, everyone))
 
 
 def _same_layout(saved: dict, current: dict) -> bool:
@@ -110,7 +121,7 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     _missing_pieces(m, path, optimizer, scheduler, load_optim, load_scheduler)
     with_optim = optimizer is not None and load_optim
     tensors = local_tensors(model, optimizer if with_optim else None, vocab_size, for_load=True)
-    _check_tensors(m, tensors, root, strict=False)
+    _check_tensors(m, tensors, root)
     changed = not _same_layout(m.layout, current_layout(optimizer).to_json())
     # A checkpoint saved without RNG (--no-save-rng) reseeds; a missing file of one saved with
     # it stays an error naming --no-load-rng.
@@ -152,8 +163,11 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     # The checkpoint's tensors this rank plans for (the strict check, the hashing): one pass
     # over the manifest's names.
     owned = names_by_owner(m.tensors, dist.get_world_size()).get(dist.get_rank(), [])
-    if strict:
-        _check_tensors(m, tensors, root, strict=True, owned=owned)
+    full = m
+    unrequested = _unrequested(m, tensors, root, strict, owned)
+    if unrequested:  # what the load reads, checks and hashes: the tensors the model asks for
+        m = dataclasses.replace(m, tensors={n: e for n, e in m.tensors.items() if n not in unrequested})
+        owned = [n for n in owned if n not in unrequested]
     layouts = Layouts(m.tensors)
     reading = read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
     if not verify:
@@ -184,7 +198,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     if reading.notes and dist.get_rank() == 0:
         print(" warning: read-once load: " + "; ".join(reading.notes) + ": each member of such a group "
               "reads all it holds", flush=True)
-    return LoadResult(int(m.iteration), int(m.consumed_samples), changed, counter.bytes, m,
+    return LoadResult(int(m.iteration), int(m.consumed_samples), changed, counter.bytes, full,
                       rehashed, read_policy, exchanged, tuple(reading.notes))
 
 

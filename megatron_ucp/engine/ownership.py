@@ -8,6 +8,10 @@ so of jobs claiming a folder at once exactly one wins. The job id is torchrun's
 TORCHELASTIC_RUN_ID (but not its default "none") or SLURM's job id when set, so restarted
 workers of the same job keep ownership.
 
+A live rank 0 on this host (pid alive, same start time) is refused whatever job id the second
+launch carries: two launches with one `--rdzv-id`, or two torchrun steps of one SLURM
+allocation, share an id but are two jobs.
+
 A record is stale, and is taken over with a message, when its process is gone (same host),
 its pid now belongs to a process started at another time (same host), or it was last written
 more than `stale_after` seconds ago (another host: its processes cannot be seen from here).
@@ -113,14 +117,23 @@ def _read(path: str):
         return "unreadable", age
 
 
-def claim(save_dir: str, stale_after: float = 3600.0, announce=print) -> None:
+def claim(save_dir: str, stale_after: float = 3600.0, announce=print, launcher: bool = False) -> None:
     """Make this job the folder's owner (taking a stale record over, with a message through
-    `announce`), or raise SaveError naming the owner and the record to delete once it stopped."""
+    `announce`), or raise SaveError naming the owner and the record to delete once it stopped.
+    `launcher`: a converter whose worker processes (its descendants) save under this claim."""
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, OWNER)
-    mine = me()
+    mine = dict(me(), launcher=True) if launcher else me()
     with _locked(save_dir):
         owner, age = _read(path)
+        if _my_launcher(owner, mine):
+            return  # a converter's workers write under the converter's own claim
+        if _another_live_process(owner, mine, stale_after):
+            raise SaveError(
+                f"{save_dir} is being written by a live process of a job with the same id ({owner['job']}, "
+                f"pid {owner['pid']} on {owner['host']}; lock {path}): two launches with one --rdzv-id "
+                f"(or two torchrun steps of one SLURM allocation) are two jobs; use another --save folder, "
+                f"or stop that process; if it has stopped, delete {path}")
         if owner is not None and (not isinstance(owner, dict) or owner.get("job") != mine["job"]):
             reason = stale_reason(owner, age, mine["host"], stale_after)
             if reason is None:
@@ -131,6 +144,27 @@ def claim(save_dir: str, stale_after: float = 3600.0, announce=print) -> None:
             who = owner.get("job") if isinstance(owner, dict) else "?"
             announce(f" taking over {save_dir} from job {who}: {reason} ({path})", flush=True)
         durability.atomic_write_json(path, mine)
+
+
+def _my_launcher(owner, mine: dict) -> bool:
+    """The record is a converter's (`launcher`) and of a live ancestor of this process: the
+    torchrun it started started this one."""
+    if not (isinstance(owner, dict) and owner.get("launcher") is True and owner.get("host") == mine["host"]
+            and isinstance(owner.get("pid"), int)):
+        return False
+    try:
+        ancestors = psutil.Process().parents()
+    except psutil.Error:
+        return False
+    return any(p.pid == owner["pid"] and abs(p.create_time() - (owner.get("start") or 0)) <= 0.5 for p in ancestors)
+
+
+def _another_live_process(owner, mine: dict, stale_after: float) -> bool:
+    """A record of this job id whose process is alive on this host and is not this one: a job id
+    is only a name (two launches may share one), a live process with its start time is a fact.
+    A restarted worker of this job finds its predecessor gone and keeps the folder."""
+    return (isinstance(owner, dict) and owner.get("job") == mine["job"] and owner.get("host") == mine["host"]
+            and owner.get("pid") != mine["pid"] and stale_reason(owner, 0.0, mine["host"], stale_after) is None)
 
 
 def release(save_dir: str) -> None:

@@ -26,6 +26,26 @@ OLD_MARK = ".old_"  # iter_N.old_*: a checkpoint being replaced by a new save of
 
 
 _ITERATION_NAME = re.compile(r"^iter_(\d{7,})$")
+# Megatron-LM's legacy per-rank folders: mp_rank_TT[_PPP][_EEE]
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def is_legacy(directory: str) -> bool:
+    """An iteration folder of Megatron-LM's legacy per-rank format."""
+    return os.path.isdir(directory) and any(
+        RANK_DIR.match(n) and os.path.isdir(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+def found_format(directory: str):
+    """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
+    if os.path.lexists(os.path.join(directory, MANIFEST)):
+        return "universal", MANIFEST
+    if is_legacy(directory):
+        return "torch", "mp_rank_* folders"
+    names = os.listdir(directory)
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        return "torch_dist", ".metadata / *.distcp files"
+    return None, None
 
 
 def iteration_dir(root: str, iteration: int) -> str:

@@ -10,7 +10,7 @@ import os
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
 from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_file
-from megatron_ucp.format.folder import TRACKER, iteration_dir, rng_file, tracker_iteration
+from megatron_ucp.format.folder import TRACKER, found_format, iteration_dir, rng_file, tracker_iteration
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 
 
@@ -19,12 +19,23 @@ def resolve(path: str) -> str:
     path = os.fspath(path)
     if os.path.lexists(os.path.join(path, mf.MANIFEST)):  # what it is, read_manifest judges
         return path
+    _refuse_other_format(path)
     tracker = os.path.join(path, TRACKER)
     if not os.path.lexists(tracker):
         raise IncompleteCheckpointError(
             f"{path}: neither a universal checkpoint ({mf.MANIFEST} missing) nor a save folder ({TRACKER} missing)")
     raw = safe_files.read_bounded(tracker, "tracker file", safe_files.MAX_TRACKER_BYTES, path)
-    return iteration_dir(path, tracker_iteration(raw, tracker))
+    directory = iteration_dir(path, tracker_iteration(raw, tracker))
+    _refuse_other_format(directory)
+    return directory
+
+
+def _refuse_other_format(directory: str) -> None:
+    """A torch_dist or legacy checkpoint is named as such (not as a missing ucp.json)."""
+    found, evidence = found_format(directory) if os.path.isdir(directory) else (None, None)
+    if found not in (None, "universal"):
+        raise FormatError(f"{directory}: holds a {found} checkpoint ({evidence}), not a universal one "
+                          f"({mf.MANIFEST}); convert it with tools/convert_to_universal.py first")
 
 
 def _file_bytes(entry: TensorEntry) -> int:
@@ -84,19 +95,13 @@ def format_table(desc: dict) -> str:
 
 
 def _verify_blocks(path, base: int, end: int, sums: list, block: int) -> list:
-    """Every mismatching block's message: one fast pass, then block by block if it fails."""
+    """The first mismatching block's message: the pass stops there (a file is damaged either
+    way, and a lying entry may name a terabyte of blocks)."""
     try:
         checksums.verify_range(path, base, end, sums, block, base=base, end=end)
         return []
-    except UCPError:
-        pass
-    problems = []
-    for lo in range(base, end, block):
-        try:
-            checksums.verify_range(path, lo, min(lo + block, end), sums, block, base=base, end=end)
-        except UCPError as e:
-            problems.append(str(e))
-    return problems
+    except UCPError as e:
+        return [str(e)]
 
 
 def check_header(root: str, name: str, entry: TensorEntry) -> None:

@@ -171,24 +171,25 @@ def read_json(path, what: str, max_bytes: int = MAX_RNG_BYTES, root=None) -> dic
     return obj
 
 
-def safe_join(root, relpath) -> str:
+def safe_join(root, relpath, source: str = "manifest") -> str:
     """Join a manifest's relative path under root, refusing anything that could escape it.
 
     Manifests are data, possibly hostile: absolute paths, '..', '.', empty components, NUL,
-    backslashes and symlinks leading outside root are all refused with FormatError.
+    backslashes and symlinks leading outside root are all refused with FormatError. `source`:
+    the file the path came from, for the message.
     """
     if not isinstance(relpath, str) or not relpath:
-        raise FormatError(f"path {relpath!r} in manifest is not a non-empty string")
+        raise FormatError(f"path {relpath!r} in {source} is not a non-empty string")
     parts = relpath.split("/")
     if ("\x00" in relpath or "\\" in relpath or os.path.isabs(relpath)
             or any(p in ("", ".", "..") for p in parts)):
-        raise FormatError(f"path {relpath!r} in manifest must be relative, without '..', '.', "
+        raise FormatError(f"path {relpath!r} in {source} must be relative, without '..', '.', "
                           "empty components, backslashes or NUL bytes")
     root = os.fspath(root)
     joined = os.path.join(root, *parts)
     real_root = os.path.realpath(root)
     real = os.path.realpath(joined)
     if os.path.commonpath([real_root, real]) != real_root:
-        raise FormatError(f"{joined}: path {relpath!r} in manifest resolves outside {root} (through a "
+        raise FormatError(f"{joined}: path {relpath!r} in {source} resolves outside {root} (through a "
                           f"symlink, to {real})")
     return joined

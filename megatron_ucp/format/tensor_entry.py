@@ -95,6 +95,11 @@ class TensorEntry:
         states = obj.get("states")
         if not (isinstance(states, list) and states and all(s in STATES for s in states)):
             raise bad(f"bad states {states!r}")
+        if tuple(states) not in (STATES, STATES[:1]):
+            raise bad(f"states {states!r}, expected {list(STATES)} or {list(STATES[:1])} (docs/FORMAT.md)")
+        dtype = obj.get("dtype", DTYPE)
+        if dtype != DTYPE:
+            raise bad(f"dtype {dtype!r}, expected {DTYPE!r} (the format holds fp32 states)")
         if version == 1:
             try:
                 vocab = Rule.from_json(obj.get("rule") or {}).kind == "vocab"
@@ -106,7 +111,7 @@ class TensorEntry:
                 raise bad("'vocab' is not true or false")
         sums = obj.get("checksums")
         return cls(file=file, shape=tuple(shape), padding_rows=padding_rows, states=tuple(states),
-                   vocab=vocab, buffer=bool(obj.get("buffer", False)), dtype=obj.get("dtype", DTYPE),
+                   vocab=vocab, buffer=bool(obj.get("buffer", False)), dtype=dtype,
                    file_size=obj.get("file_size"), block_bytes=obj.get("block_bytes"),
                    checksums=tuple(sums) if isinstance(sums, list) else sums)
 

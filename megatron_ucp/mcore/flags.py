@@ -6,8 +6,8 @@ The converters parse a source run's stored arguments with the same parser.
 """
 
 import argparse
-import re
 
+from megatron_ucp.mcore import layer_pattern
 from megatron_ucp.mcore.flag_validation import validate
 from megatron_ucp.mcore.ucp_flags import add_universal_flags
 
@@ -220,23 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_FREQ_PATTERN = re.compile(r"^[\[\]()0-9+*, ]+$")
-
-
 def moe_layer_freq(text: str):
-    """`--moe-layer-freq`: an int N (MoE every N-th layer) or a 0/1 list expression per layer."""
-    text = text.strip()
-    if text.isdigit():
-        return int(text)
-    if not _FREQ_PATTERN.match(text):
-        raise argparse.ArgumentTypeError(f"expected an integer or a list expression like '([0]+[1])*2', got {text!r}")
+    """`--moe-layer-freq`: an int N (MoE every N-th layer) or a 0/1 list expression per layer,
+    parsed as data (layer_pattern.py), never evaluated: checkpoints carry this text too."""
     try:
-        value = eval(text, {"__builtins__": {}}, {})  # only digits, brackets, + and * reach here
-    except Exception as e:
-        raise argparse.ArgumentTypeError(f"cannot evaluate {text!r}: {e}") from None
-    if not isinstance(value, list) or any(v not in (0, 1) for v in value):
-        raise argparse.ArgumentTypeError(f"{text!r} must give a list of 0/1 per layer, got {value!r}")
-    return value
+        return layer_pattern.parse(text)
+    except layer_pattern.PatternError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer or a list expression like '([0]+[1])*2', "
+                                         f"got {text[:60]!r}{'...' if len(text) > 60 else ''}: {e}") from None
 
 
 def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:

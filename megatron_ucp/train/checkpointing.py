@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
+from megatron_ucp.mcore import saved_args
 
 
 def claim_save_folder(args) -> None:
@@ -146,11 +147,13 @@ def _saved_args(args) -> dict:
                           "checkpoint (ucp.json); convert it with `megatron-ucp convert`")
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
 
-    saved = read_manifest(directory).args
+    manifest = read_manifest(directory)
+    saved = manifest.args
     if not isinstance(saved, dict) or not saved:
         raise FormatError(f"{os.path.join(directory, MANIFEST)}: key 'args' holds no arguments; "
                           "--use-checkpoint-args needs them (drop the flag and give the model's "
                           "arguments on the command line)")
+    saved_args.check(saved, CHECKPOINT_ARGS + ("eod_token",), manifest, os.path.join(directory, MANIFEST))
     return saved
 
 
@@ -254,7 +257,7 @@ def check_format(directory: str, wanted: str) -> None:
     format's loader (megatron's unpickles; a universal resume must not quietly become one)."""
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
-    from megatron_ucp.convert.to_universal import found_format
+    from megatron_ucp.format.folder import found_format
 
     found, evidence = found_format(directory)
     if found is None:

@@ -56,17 +56,23 @@ def _on_signal(signum, frame) -> None:
 @contextlib.contextmanager
 def signal_handler(enabled: bool):
     """--exit-signal-handler: SIGTERM sets a flag from the job's start (one during the build or
-    the load stops the job after its first iteration); the previous handler comes back at exit."""
+    the load stops the job after its first iteration); the previous handler comes back at exit.
+
+    SIGINT (Ctrl-C; torchrun passes it on to its workers) ends a process at once, the kernel's
+    default: Python's KeyboardInterrupt comes only between bytecodes, so a rank waiting in a
+    collective for a peer that had already unwound waited for torchrun's SIGKILL, 30 s later,
+    and every rank printed a traceback. A save it cuts short leaves the previous checkpoint
+    (the commit protocol); the next save into the folder removes the temporary folder."""
     global _RECEIVED
     _RECEIVED = False
-    if not enabled:
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _on_signal)
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    previous = signal.signal(signal.SIGTERM, _on_signal) if enabled else None
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+        if enabled:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class Stopper:

@@ -11,10 +11,15 @@ the library does not depend on the application.
 import argparse
 import sys
 
-import torch.distributed as dist
+from megatron_ucp.convert.launch import die_with_parent
 
-from megatron_ucp.errors import run_command
-from megatron_ucp.format.folder import iteration_dir
+if __name__ == "__main__":
+    die_with_parent()  # first thing: torchrun puts workers in sessions of their own
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_ucp.errors import run_command  # noqa: E402
+from megatron_ucp.format.folder import iteration_dir  # noqa: E402
 
 
 def convert(output_dir: str, argv: list) -> None:

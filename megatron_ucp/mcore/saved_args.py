@@ -1,0 +1,157 @@
+"""Arguments a checkpoint stores, checked before anything is built from them.
+
+`--use-checkpoint-args` and the torch_dist export rebuild a model from the arguments in a
+manifest: a stranger's numbers. Each adopted value must have the type its flag parses to (a
+JSON integer for an int flag, true/false for a switch, one of the flag's choices), lie within
+bounds, and agree with the same checkpoint's architecture block and tensor shapes, so that a
+manifest saying `num_layers: 100000` beside two layers of tensors is refused in milliseconds
+instead of building for a minute and dying in an allocation.
+"""
+
+import argparse
+import math
+import re
+
+from megatron_ucp.errors import FormatError
+from megatron_ucp.mcore import layer_pattern
+
+MAX_INT = 2**31 - 1  # every count and size megatron keeps fits an int32
+
+# Adopted argument -> (architecture key, how the argument reads as that key's value).
+_SAME = {k: (k, None) for k in (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization",
+    "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "position_embedding_type",
+    "qk_layernorm", "multi_latent_attention", "mtp_num_layers", "vocab_size")}
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+ARCHITECTURE_OF = {
+    **_SAME,
+    "swiglu": ("gated_linear_unit", None),
+    "disable_bias_linear": ("add_bias_linear", lambda v: not v),
+    "untie_embeddings_and_output_weights": ("share_embeddings_and_output_weights", lambda v: not v),
+}
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+
+
+def _expected(action) -> tuple:
+    """(check, words) for a value of `action`'s flag as JSON holds it."""
+    nullable = action.default is None
+    if action.nargs == 0:
+        return (lambda v: isinstance(v, bool)), "true or false"
+    if action.choices is not None:
+        choices = list(action.choices)
+        return (lambda v: v in choices or (nullable and v is None)), f"one of {choices}" + (" or null" if nullable else "")
+    if action.type is int:
+        return ((lambda v: (nullable and v is None) or (type(v) is int and 0 <= v <= MAX_INT)),
+                f"an integer 0..{MAX_INT}" + (" or null" if nullable else ""))
+    if action.type is float:
+        return ((lambda v: (nullable and v is None) or (type(v) in (int, float) and math.isfinite(v))),
+                "a finite number" + (" or null" if nullable else ""))
+    if getattr(action.type, "__name__", "") == "moe_layer_freq":
+        return _is_pattern, f"an integer 1..{layer_pattern.MAX_LAYERS} or a list of at most {layer_pattern.MAX_LAYERS} 0s and 1s"
+    if action.nargs in ("+", "*"):
+        return (lambda v: (nullable and v is None) or (isinstance(v, list) and all(isinstance(x, str) for x in v))), \
+            "a list of strings"
+    return (lambda v: (nullable and v is None) or isinstance(v, str)), "a string"
+
+
+def _is_pattern(v) -> bool:
+    if type(v) is int:
+        return 1 <= v <= layer_pattern.MAX_LAYERS
+    return isinstance(v, list) and len(v) <= layer_pattern.MAX_LAYERS and all(type(x) is int and x in (0, 1) for x in v)
+
+
+def _shown(v) -> str:
+    return f"a list of {len(v)}" if isinstance(v, list) and len(v) > 8 else f"{v!r:.60}"
+
+
+def typed(saved: dict, names, parser: argparse.ArgumentParser, path: str) -> None:
+    """Each of `names` that `saved` holds has the type and range its flag in `parser` parses to."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    for name in names:
+        if name not in saved or name not in actions:
+            continue
+        ok, words = _expected(actions[name])
+        if not ok(saved[name]):
+            raise FormatError(f"{path}: 'args.{name}' is {_shown(saved[name])}, expected {words} "
+                              f"(the flag {actions[name].option_strings[0]})")
+
+
+def _layer_and_experts(tensors) -> tuple:
+    layers, experts = set(), set()
+    for name in tensors:
+        m = _LAYER.match(name)
+        if m:
+            layers.add(int(m.group(1)))
+        m = _EXPERT.search(name)
+        if m:
+            experts.add(int(m.group(1)))
+    return layers, experts
+
+
+def architecture_problems(architecture: dict, tensors: dict) -> list:
+    """Where a manifest's architecture contradicts its own tensor entries ({name: entry with
+    .shape}): the layer count, the hidden size, the vocabulary, the expert count."""
+    problems = []
+    layers, experts = _layer_and_experts(tensors)
+    if layers and architecture.get("num_layers") != len(layers):
+        problems.append(f"'architecture.num_layers' is {architecture.get('num_layers')!r}, the tensors "
+                        f"hold {len(layers)} layers")
+    if experts and architecture.get("num_experts") != len(experts):
+        problems.append(f"'architecture.num_experts' is {architecture.get('num_experts')!r}, the tensors "
+                        f"hold {len(experts)} experts per layer")
+    embedding = tensors.get("embedding.word_embeddings.weight")
+    if embedding is not None and len(embedding.shape) == 2:
+        rows, width = embedding.shape
+        if architecture.get("hidden_size") != width:
+            problems.append(f"'architecture.hidden_size' is {architecture.get('hidden_size')!r}, "
+                            f"embedding.word_embeddings.weight has {width} columns")
+        if architecture.get("vocab_size") != rows:
+            problems.append(f"'architecture.vocab_size' is {architecture.get('vocab_size')!r}, "
+                            f"embedding.word_embeddings.weight has {rows} rows")
+    return problems
+
+
+def against_checkpoint(saved: dict, names, architecture: dict, tensors: dict, path: str) -> None:
+    """The adopted `names` of `saved` agree with the checkpoint's architecture, the architecture
+    with its tensors, and the sequence with the position embedding's rows."""
+    problems = architecture_problems(architecture, tensors)
+    if problems:
+        raise FormatError(f"{path}: {problems[0]}")
+    for name in names:
+        if name not in saved or name not in ARCHITECTURE_OF or saved[name] is None:
+            continue
+        key, read = ARCHITECTURE_OF[name]
+        if key not in architecture:
+            continue
+        value = read(saved[name]) if read else saved[name]
+        if architecture[key] is not None and value != architecture[key]:
+            raise FormatError(f"{path}: 'args.{name}' is {_shown(saved[name])}, but 'architecture.{key}' "
+                              f"is {architecture[key]!r}; expected the arguments of the model the "
+                              "checkpoint holds")
+    if architecture.get("multi_latent_attention"):
+        for name in _MLA:
+            if name in names and saved.get(name) is not None and saved[name] != architecture.get(name):
+                raise FormatError(f"{path}: 'args.{name}' is {_shown(saved[name])}, but "
+                                  f"'architecture.{name}' is {architecture.get(name)!r}")
+    positions = tensors.get("embedding.position_embeddings.weight")
+    limit = positions.shape[0] if positions is not None and positions.shape else None
+    for name in ("seq_length", "max_position_embeddings"):
+        if limit is not None and name in names and type(saved.get(name)) is int and saved[name] > limit:
+            raise FormatError(f"{path}: 'args.{name}' is {saved[name]}, but the position embedding "
+                              f"embedding.position_embeddings.weight has {limit} rows")
+    divisor = saved.get("make_vocab_size_divisible_by")
+    if "make_vocab_size_divisible_by" in names and divisor is not None and divisor < 1:
+        raise FormatError(f"{path}: 'args.make_vocab_size_divisible_by' is {divisor!r}, expected an integer >= 1")
+
+
+def check(saved: dict, names, manifest, path: str) -> None:
+    """`typed` and `against_checkpoint` for the adopted `names` of a universal manifest."""
+    from megatron_ucp.mcore.flags import build_parser
+
+    typed(saved, names, build_parser(), path)
+    eod = saved.get("eod_token") if "eod_token" in names else None
+    if eod is not None and not (type(eod) is int and 0 <= eod <= MAX_INT):
+        raise FormatError(f"{path}: 'args.eod_token' is {_shown(eod)}, expected null or an integer 0..{MAX_INT}")
+    against_checkpoint(saved, names, manifest.architecture, manifest.tensors, path)
