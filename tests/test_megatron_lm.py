@@ -79,7 +79,10 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes(python, reference, t
     assert "exiting program after receiving SIGTERM" in cut.output, cut.output[-4000:]
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert 3 <= saved < N and f"successfully saved universal checkpoint from iteration {saved:7d}" in cut.output
-    r = run(python, tmp_path / "resume", 2, PP2 + UNIVERSAL + ["--load", str(ckpt)], N).check()
+    # --use-checkpoint-args: the model's shape from the checkpoint, over the command line's.
+    r = run(python, tmp_path / "resume", 2, PP2 + UNIVERSAL + ["--load", str(ckpt), "--use-checkpoint-args",
+                                                               "--hidden-size", "64"], N).check()
+    assert "--use-checkpoint-args: --hidden-size 32 from the checkpoint (was 64)" in r.output
     assert min(r.losses()) == saved + 1
     assert max_delta(reference["losses"], r.losses(), range(saved + 1, N + 1)) <= TOL
 

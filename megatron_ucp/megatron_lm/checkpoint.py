@@ -64,7 +64,7 @@ def universal_target(load_dir, ckpt_step=None):
 
 def found_format(load_dir, ckpt_step=None):
     """The format of the checkpoint `load_dir` designates (universal, torch_dist, torch), or None."""
-    from megatron_ucp.convert.to_universal import found_format as folder_format
+    from megatron_ucp.format.folder import found_format as folder_format
 
     if not load_dir:
         return None
@@ -255,17 +255,22 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
 
 def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
     """--use-checkpoint-args: a universal checkpoint's stored model arguments (the ones Megatron-LM
-    takes from its own checkpoints), read before the process group exists."""
-    from megatron_ucp.train.checkpointing import use_checkpoint_args
+    takes from its own checkpoints), typed, bounded and checked against the manifest's
+    architecture and tensors before anything is built from them (mcore/saved_args.py); read
+    before the process group exists."""
+    from megatron_ucp.format.manifest import read_manifest
+    from megatron_ucp.mcore import saved_args
+    from megatron_ucp.train.checkpointing import CHECKPOINT_ARGS, use_checkpoint_args
 
     target = universal_target(getattr(args, load_arg, None), getattr(args, "ckpt_step", None))
     if target is None:
         return _ORIGINAL["load_args_from_checkpoint"](args, load_arg, *rest, **kwargs)
-    from megatron_ucp.format.manifest import read_manifest
-
-    use_checkpoint_args(args, read_manifest(target[1]).args or {},
-                        verbose=int(os.environ.get("RANK", "0")) == 0)
-    return args, args
+    manifest = read_manifest(target[1])
+    path = os.path.join(target[1], MANIFEST)
+    saved = manifest.args if isinstance(manifest.args, dict) else {}
+    saved_args.check(saved, CHECKPOINT_ARGS, manifest, path)
+    use_checkpoint_args(args, saved, verbose=int(os.environ.get("RANK", "0")) == 0)
+    return args
 
 
 def adopt_padded_vocab() -> None:
