@@ -151,15 +151,17 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def main():
-    """Megatron-LM's pretrain; 0.19 takes a config container built from the parsed flags,
-    0.17/0.18 parse the flags inside pretrain()."""
+    """Megatron-LM's pretrain; 0.18 and 0.19 take a config container built from the parsed
+    flags, 0.17 parses the flags inside pretrain()."""
     if "cfg_container" in inspect.signature(pretrain).parameters:
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.arguments import parse_and_validate_args
 
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+        pretrain(pretrain_cfg_container_from_args(args),  # 0.18 and 0.19 order the rest differently
+                 train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+                 model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
+                 forward_step_func=forward_step)
     else:
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                  forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})

@@ -29,7 +29,6 @@ from megatron.core import parallel_state
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.format.layout import Box, Rule, atomic_shape_from_local, box_pieces, boxes_of
-from megatron_ucp.mcore.compat import core_version
 from megatron_ucp.mcore.optimizer_state import Fragment, fragments as optimizer_fragments
 
 _SWIGLU_HALF = re.compile(r"_[wv]$")  # megatron's singleton spelling of the two SwiGLU halves
@@ -186,10 +185,12 @@ def _legacy_grouped_weights(gpt, singleton: dict) -> list:
 
     Its sharded state dict holds copies (transposed experts), not views, so its geometry is the
     oracle's (legacy_grouped_tensors); the names are megatron's (singleton spelling).
-    megatron-core 0.19 removed GroupedMLP (TE's grouped experts are its only grouped layout)."""
-    if core_version() >= (0, 19):
+    megatron-core 0.18 removed GroupedMLP (TE's grouped experts are its only grouped layout)."""
+    import megatron.core.transformer.moe.experts as experts
+
+    GroupedMLP = getattr(experts, "GroupedMLP", None)
+    if GroupedMLP is None:
         return []
-    from megatron.core.transformer.moe.experts import GroupedMLP
 
     out = []
     for m in gpt.modules():
