@@ -17,7 +17,6 @@ those flags, so `--use-checkpoint-args` works too). See megatron_ucp/convert/hf.
 
 import argparse
 
-from megatron_ucp.errors import ConfigError
 
 
 def export_main(argv=None) -> int:
@@ -43,16 +42,12 @@ def export_main(argv=None) -> int:
 def import_main(argv=None) -> int:
     from megatron_ucp.convert.hf import import_
 
-    p = argparse.ArgumentParser(prog="import_hf", description="Import a Hugging Face model folder "
-                                "(Llama, Qwen2, Mixtral; safetensors) as a universal checkpoint at "
-                                "iteration 0 holding the weights only (CPU only).")
-    p.add_argument("hf_dir", help="Hugging Face model folder (config.json and safetensors)")
-    p.add_argument("output", help="where the universal checkpoint goes")
-    p.add_argument("--workers", type=int, default=1, help="write this many atomic tensors in parallel processes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
-    if a.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    from megatron_ucp.commands.import_args import import_parser, parse_import_args
+
+    p = import_parser("import_hf", "Import a Hugging Face model folder (Llama, Qwen2, Mixtral; "
+                      "safetensors) as a universal checkpoint at iteration 0 holding the weights only "
+                      "(CPU only).", "hf_dir", "Hugging Face model folder (config.json and safetensors)")
+    a = parse_import_args(p, argv)
     s = import_(a.hf_dir, a.output, not a.no_progress, a.workers)
     print(f"imported {s['family']}: {s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s "
           f"({s['GB/s']:.3f} GB/s) into {s['output']}")

@@ -323,14 +323,11 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="import_deepspeed", description=__doc__.splitlines()[0])
-    p.add_argument("input", help="the folder ds_to_universal wrote (zero/ and mp_rank_*_model_states.pt)")
-    p.add_argument("output", help="where the universal checkpoint goes")
-    p.add_argument("--workers", type=int, default=1, help="write this many atomic tensors in parallel processes")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
-    if a.workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    from megatron_ucp.commands.import_args import import_parser, parse_import_args
+
+    p = import_parser("import_deepspeed", __doc__.splitlines()[0], "input",
+                      "the folder ds_to_universal wrote (zero/ and mp_rank_*_model_states.pt)")
+    a = parse_import_args(p, argv)
     s = import_(a.input, a.output, not a.no_progress, a.workers)
     print(f"imported iteration {s['iteration']} (Adam step {s['step']}, {s['consumed_samples']} samples consumed): "
           f"{s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s into {s['output']}")
