@@ -138,6 +138,8 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     from megatron_ucp.api import save_universal
 
     finish_pending_save()
+    ft = _megatron("ft_integration")  # fault tolerance's checkpoint timeouts (no-ops without it)
+    ft.on_checkpointing_start()
     weights_only = args.no_save_optim  # as Megatron-LM: neither optimizer nor scheduler
     _print(f" saving universal checkpoint at iteration {iteration:7d} to {args.save}")
     result = save_universal(args.save, iteration, model, None if weights_only else optimizer,
@@ -147,6 +149,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                             keep_last=args.keep_last, async_save=bool(args.async_save),
                             save_rng=not args.no_save_rng,
                             progress=_progress(args, num_floating_point_operations_so_far))
+    ft.on_checkpointing_end(is_async_finalization=False)
     if args.async_save:
         _PENDING["save"] = result
     else:
@@ -226,6 +229,8 @@ def _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, iterati
     update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
     if hasattr(checkpointing, "set_loaded_iteration"):
         checkpointing.set_loaded_iteration(result.iteration)
+    if result.iteration > 0:
+        _megatron("ft_integration").on_checkpoint_loaded(is_local_chkpt=False)
     _print(f"  successfully loaded universal checkpoint from {load_dir} at iteration {result.iteration}")
     return result.iteration, progress.get("num_floating_point_operations_so_far", 0)
 
