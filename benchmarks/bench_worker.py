@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from disk import CHUNK, drop_cache, sequential_read, sequential_write  # noqa: E402
 from megatron_ucp.format import tensor_io  # noqa: E402
 from megatron_ucp.format.folder import iteration_dir, write_tracker  # noqa: E402
+from megatron_ucp.engine import collective  # noqa: E402
 from megatron_ucp.engine.load import load_universal  # noqa: E402
 from megatron_ucp.mcore.optimizer_state import inner_optimizers  # noqa: E402
 from megatron_ucp.engine.save import save_universal  # noqa: E402
@@ -300,4 +301,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     spec = json.load(open(sys.argv[1]))
     (load_phase if spec.get("phase") == "load" else main)(spec, sys.argv[2])
-    loop.close_distributed()  # before the interpreter's exit, which gloo may abort
+    collective.close_distributed()  # before the interpreter's exit, which gloo may abort

@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_ucp.format import checksums, durability, tensor_io  # noqa: E402
 from megatron_ucp.format.layout import fragment_regions  # noqa: E402
+from megatron_ucp.engine import collective  # noqa: E402
 from megatron_ucp.engine.load import load_universal  # noqa: E402
 from megatron_ucp.mcore.model_map import local_tensors  # noqa: E402
 from megatron_ucp.engine.save import save_universal  # noqa: E402
@@ -366,7 +367,7 @@ def main(spec_path: str, result_path: str) -> int:
                 with open(f"{path}.tmp", "w") as f:  # atomic: torchrun may kill us mid-write
                     json.dump(results, f, indent=1)
                 os.replace(f"{path}.tmp", path)
-    loop.close_distributed()  # before the interpreter's exit, which gloo may abort (loop.py)
+    collective.close_distributed()  # before the interpreter's exit, which gloo may abort (engine/collective.py)
     return 0
 
 

@@ -185,7 +185,7 @@ def test_latest_checkpoint_found_or_none(tmp_path):
     with pytest.raises(IncompleteCheckpointError, match="iter_0000008"):
         latest_checkpoint(args)
     (tmp_path / "ckpt" / "iter_0000008").mkdir()
-    with pytest.raises(FormatError, match="convert_to_universal"):
+    with pytest.raises(FormatError, match="megatron-ucp convert"):
         latest_checkpoint(args)
     layout = {"world_size": 4, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
               "virtual_pipeline_model_parallel_size": None, "data_parallel_size": 2,

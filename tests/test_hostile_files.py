@@ -257,7 +257,7 @@ def test_legacy_loader_refuses_payload(copy_of, tmp_path):
                                                  ("torch", "mp_rank_", "--ckpt-format torch")])
 def test_universal_load_of_another_format_names_it_and_its_flag(saved, fmt, evidence, flag):
     _refused(lambda: checkpointing.check_format(str(saved[fmt] / IT), "universal"), evidence, flag,
-             "convert_to_universal", kind=FormatError)
+             "megatron-ucp convert", kind=FormatError)
 
 
 def test_other_format_load_of_a_universal_checkpoint_names_the_flag(saved):

@@ -25,6 +25,7 @@ LAYERS = [
     ("engine", {"engine", "engine.*", "api", ""}),  # "": megatron_ucp itself (the public API)
     ("converters", {"convert", "convert.*"}),
     ("training application", {"train", "train.*"}),
+    ("Megatron-LM trainer plug-in", {"megatron_lm", "megatron_lm.*"}),  # beside train/, not on it
     ("commands", {"cli", "__main__", "commands", "commands.*"}),  # the `megatron-ucp` command
 ]
 

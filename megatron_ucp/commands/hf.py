@@ -42,7 +42,7 @@ def export_main(argv=None) -> int:
 def import_main(argv=None) -> int:
     from megatron_ucp.convert.hf import import_
 
-    from megatron_ucp.commands.import_args import import_parser, parse_import_args
+    from megatron_ucp.convert.import_args import import_parser, parse_import_args
 
     p = import_parser("import_hf", "Import a Hugging Face model folder (Llama, Qwen2, Mixtral; "
                       "safetensors) as a universal checkpoint at iteration 0 holding the weights only "

@@ -323,7 +323,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
 
 
 def main(argv=None) -> int:
-    from megatron_ucp.commands.import_args import import_parser, parse_import_args
+    from megatron_ucp.convert.import_args import import_parser, parse_import_args
 
     p = import_parser("import_deepspeed", __doc__.splitlines()[0], "input",
                       "the folder ds_to_universal wrote (zero/ and mp_rank_*_model_states.pt)")

@@ -10,6 +10,7 @@ checkpoint (that checkpoint's verification would then fail).
 import contextlib
 import errno
 import os
+import shutil
 
 from megatron_ucp.engine import ownership
 from megatron_ucp.errors import ConfigError, SaveError
@@ -57,13 +58,20 @@ def check_save_folder(output: str, iteration: int, fmt: str, flag: str) -> None:
 
 @contextlib.contextmanager
 def owned(output: str, iteration: int, fmt: str, flag: str = "output"):
-    """Check `output` (check_save_folder) and hold its owner lock while the body writes."""
+    """Check `output` (check_save_folder) and hold its owner lock while the body writes. A
+    folder this call created and that got no checkpoint (the body failed before its commit) is
+    removed, lock files and all: a refused conversion leaves nothing behind."""
     check_save_folder(output, iteration, fmt, flag)
+    created = not os.path.lexists(output)
     ownership.claim(output, launcher=True)
     try:
         yield
-    finally:
+    except BaseException:
         ownership.release(output)
+        if created and not os.path.lexists(os.path.join(output, TRACKER)):
+            shutil.rmtree(output, ignore_errors=True)
+        raise
+    ownership.release(output)
 
 
 def disk_full(error: BaseException, output: str):

@@ -104,3 +104,17 @@ def all_true(flag: bool, group=None, device=None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
+
+
+def close_distributed() -> None:
+    """Destroy the process groups before the interpreter exits.
+
+    Left to interpreter finalization, gloo's worker threads may still hold finished work whose
+    tensors reference Python objects; freeing them then aborts the process ("terminate called
+    without an active exception", SIGABRT; pytorch/pytorch#190489), which turns a clean exit,
+    or the exit status 2 of a one-line error, into a crash that torchrun reports. Call it where
+    every rank takes the same path (the job's end, an error all ranks agreed on): it waits for
+    the group's pending work.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -42,7 +42,7 @@ def run(script: str, argv: list, cpu: bool) -> None:
     on sys.path); the process group is closed before the interpreter exits (train.loop's
     close_distributed says why)."""
     from megatron_ucp.megatron_lm import install
-    from megatron_ucp.train.loop import close_distributed
+    from megatron_ucp.engine.collective import close_distributed
 
     install(cpu=cpu)
     sys.argv = argv

@@ -265,7 +265,7 @@ def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
     before the process group exists."""
     from megatron_ucp.format.manifest import read_manifest
     from megatron_ucp.mcore import saved_args
-    from megatron_ucp.train.checkpointing import CHECKPOINT_ARGS, use_checkpoint_args
+    from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS, use_checkpoint_args
 
     target = universal_target(getattr(args, load_arg, None), getattr(args, "ckpt_step", None))
     if target is None:

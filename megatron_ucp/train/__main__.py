@@ -20,14 +20,15 @@ from megatron_ucp.errors import UCPError, report
 def main(argv=None) -> int:
     # megatron-core warns once per module that apex/TE are absent; say it once instead.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
-    from megatron_ucp.train.loop import close_distributed, pretrain
+    from megatron_ucp.engine.collective import close_distributed
+    from megatron_ucp.train.loop import pretrain
 
     try:
         pretrain(sys.argv[1:] if argv is None else list(argv))
         status = 0
     except UCPError as e:  # bad arguments or a bad checkpoint: one line per job, no traceback
         status = report("pretrain_gpt_ucp.py", e)
-    close_distributed()  # before the interpreter's exit, which gloo may abort (loop.py)
+    close_distributed()  # before the interpreter's exit, which gloo may abort (engine/collective.py)
     return status
 
 

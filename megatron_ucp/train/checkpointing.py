@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 from megatron_ucp.mcore import saved_args
+from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS, use_checkpoint_args  # noqa: F401 (the loop's)
 
 
 def claim_save_folder(args) -> None:
@@ -123,22 +124,6 @@ def _has_checkpoint(args) -> bool:
     return args.ckpt_step is not None or os.path.lexists(os.path.join(args.load, TRACKER))
 
 
-# Megatron-LM's --use-checkpoint-args takes the model's shape from the checkpoint (its
-# load_args_from_checkpoint); the parallel layout and the training schedule stay the command
-# line's (a universal checkpoint loads on any layout).
-CHECKPOINT_ARGS = (
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
-    "group_query_attention", "num_query_groups", "seq_length", "max_position_embeddings",
-    "vocab_size", "make_vocab_size_divisible_by", "swiglu", "normalization", "norm_epsilon",
-    "position_embedding_type", "rotary_base", "untie_embeddings_and_output_weights",
-    "disable_bias_linear", "add_qkv_bias", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_router_score_function",
-    "moe_router_enable_expert_bias", "moe_grouped_gemm", "qk_layernorm", "multi_latent_attention",
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
-    "rotary_scaling_factor", "mtp_num_layers",
-)
-
-
 def _saved_args(args) -> dict:
     """The arguments the checkpoint to load was saved with (its manifest's "args")."""
     iteration, directory = _load_target(args)
@@ -155,24 +140,6 @@ def _saved_args(args) -> dict:
                           "arguments on the command line)")
     saved_args.check(saved, CHECKPOINT_ARGS + ("eod_token",), manifest, os.path.join(directory, MANIFEST))
     return saved
-
-
-def use_checkpoint_args(args, saved: dict, verbose: bool = False) -> list:
-    """Set the model arguments from `saved`; returns (and prints) the values it changed."""
-    changed = []
-    if saved.get("eod_token") is not None:  # NullTokenizer: the flag's value; validate adds EOD
-        saved = dict(saved, vocab_size=saved["eod_token"])
-    for name in CHECKPOINT_ARGS:
-        if name in saved and saved[name] != getattr(args, name, None):
-            changed.append((name, getattr(args, name, None), saved[name]))
-            setattr(args, name, saved[name])
-    if verbose:
-        for name, old, new in changed:
-            if old is None:  # not given: derived later from the other arguments
-                continue
-            print(f" --use-checkpoint-args: --{name.replace('_', '-')} {new} from the checkpoint "
-                  f"(was {old})", flush=True)
-    return changed
 
 
 def keep_saved_vocab_padding(args) -> None:

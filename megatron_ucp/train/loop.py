@@ -47,20 +47,6 @@ def init_distributed(cpu: bool, timeout_minutes: float = 10.0) -> None:
                             timeout=timedelta(minutes=timeout_minutes))
 
 
-def close_distributed() -> None:
-    """Destroy the process groups before the interpreter exits.
-
-    Left to interpreter finalization, gloo's worker threads may still hold finished work whose
-    tensors reference Python objects; freeing them then aborts the process ("terminate called
-    without an active exception", SIGABRT; pytorch/pytorch#190489), which turns a clean exit,
-    or the exit status 2 of a one-line error, into a crash that torchrun reports. Call it where
-    every rank takes the same path (the job's end, an error all ranks agreed on): it waits for
-    the group's pending work.
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def set_seeds(seed: int) -> None:
     """Megatron-LM's seeding: a different stream per pipeline stage, named streams for TP/EP."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

@@ -66,13 +66,13 @@ def main(argv=None) -> int:
     e.add_argument("out")
     e.add_argument("--iteration", type=int, required=True)
     a = p.parse_args(own)
-    from megatron_ucp.train.loop import close_distributed
+    from megatron_ucp.engine.collective import close_distributed
 
     if a.kind == "convert":
         convert(a.output, extra)
     else:
         export(a.ckpt, a.iteration, a.out, extra)
-    close_distributed()  # before the interpreter's exit, which gloo may abort (loop.py)
+    close_distributed()  # before the interpreter's exit, which gloo may abort (engine/collective.py)
     return 0
 
 
