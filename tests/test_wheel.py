@@ -70,11 +70,18 @@ def test_installed_wheel_runs_outside_the_checkout(tmp_path):
                  "print(json.dumps([megatron_ucp.__file__, sys.path]))")
     module, path = json.loads(where.stdout)
     assert Path(module).is_relative_to(bin_dir.parent), module
-    assert not [p for p in path if p and Path(p).resolve().is_relative_to(REPO)], path
+    # The one entry allowed inside the checkout is this interpreter's site-packages (torch and
+    # megatron-core, from the .pth); a clone's venv lies in the clone (run.sh's .venv).
+    shared = {Path(p).resolve() for p in site.getsitepackages()}
+    inside = [p for p in path if p and Path(p).resolve().is_relative_to(REPO) and Path(p).resolve() not in shared]
+    assert not inside, path
     assert (bin_dir / "megatron-ucp").exists()
+    plug_in = _run(bin_dir, work, "python", "-m", "megatron_ucp.megatron_lm", "--help").stdout
+    assert plug_in.startswith("usage: python -m megatron_ucp.megatron_lm"), plug_in
 
     usage = _run(bin_dir, work, "megatron-ucp", "--help").stdout
-    for command in ("train", "convert", "inspect", "export-hf", "import-hf", "export-torch-dist", "gpu-check"):
+    for command in ("train", "megatron-lm", "convert", "inspect", "export-hf", "import-hf", "import-deepspeed",
+                    "export-torch-dist", "gpu-check"):
         assert f"\n  {command} " in usage, usage
     assert _run(bin_dir, work, "megatron-ucp", "--version").stdout.startswith("megatron-ucp 0.1.0 ")
     bad = _run(bin_dir, work, "megatron-ucp", "inspect", "nothing_here", check=False)
