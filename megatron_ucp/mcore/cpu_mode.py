@@ -70,20 +70,6 @@ class _TorchOnCpu:
         return getattr(torch, name)
 
 
-class _DummyEvent:
-    """CPU ops are synchronous: an event is always complete (the alltoall MoE dispatcher waits
-    on one for its device-to-host copy of the token counts)."""
-
-    def synchronize(self):
-        pass
-
-    def wait(self, *args, **kwargs):
-        pass
-
-    def query(self):
-        return True
-
-
 class _DummyStream:
     """CPU ops are synchronous: a stream that orders nothing is exact."""
 
@@ -100,7 +86,7 @@ class _DummyStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return _DummyEvent()
+        return None
 
 
 def _patch_torch_cuda():
