@@ -25,6 +25,13 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def keeps_saved_padding(saved_padded, vocab_size: int, tp: int) -> bool:
+    """A checkpoint's padded vocabulary that a run can keep: it holds the vocabulary and divides
+    over tensor parallelism (padding rows take part in the softmax: keeping their number keeps
+    the loss curve)."""
+    return bool(saved_padded) and saved_padded >= vocab_size and saved_padded % tp == 0
+
+
 def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill derived values and refuse impossible combinations (ConfigError, one line each)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

@@ -287,12 +287,13 @@ def adopt_padded_vocab() -> None:
     if target is None or args.finetune:
         return
     from megatron_ucp.format.manifest import read_manifest
+    from megatron_ucp.mcore.flag_validation import keeps_saved_padding
 
     padded = run_everywhere(lambda: read_manifest(target[1]).layout.get("padded_vocab_size"))
     tp = args.tensor_model_parallel_size
     if not padded or padded == args.padded_vocab_size:
         return
-    if padded >= true_vocab_size(args) and padded % tp == 0:
+    if keeps_saved_padding(padded, true_vocab_size(args), tp):
         _print(f" keeping the checkpoint's padded vocabulary of {padded} rows (instead of "
                f"{args.padded_vocab_size}): padding rows take part in the softmax")
         args.padded_vocab_size = padded

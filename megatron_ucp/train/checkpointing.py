@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 from megatron_ucp.mcore import saved_args
+from megatron_ucp.mcore.flag_validation import keeps_saved_padding
 from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS, use_checkpoint_args  # noqa: F401 (the loop's)
 
 
@@ -163,7 +164,7 @@ def _keep_saved_vocab_padding(args) -> None:
 
     padded = read_manifest(directory).layout.get("padded_vocab_size")
     tp = args.tensor_model_parallel_size
-    if padded and padded >= args.vocab_size and padded % tp == 0 and padded != args.padded_vocab_size:
+    if keeps_saved_padding(padded, args.vocab_size, tp) and padded != args.padded_vocab_size:
         if dist.get_rank() == 0:
             print(f" keeping the checkpoint's padded vocabulary of {padded} rows "
                   f"(instead of {args.padded_vocab_size})", flush=True)
