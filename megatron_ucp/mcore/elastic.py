@@ -194,16 +194,23 @@ def choose_layout(world_size: int, dims: ModelDims, requested: Layout, batch: Ba
 
 
 def dims_from_args(args) -> ModelDims:
-    """ModelDims of parsed (not yet validated) pretrain arguments."""
+    """ModelDims of parsed (not yet validated) arguments, of either trainer."""
     groups = args.num_query_groups if args.group_query_attention and args.num_query_groups else \
         args.num_attention_heads
     return ModelDims(
         num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
         num_query_groups=groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         seq_length=args.seq_length, num_experts=args.num_experts,
-        sequence_parallel=bool(args.sequence_parallel), bias_linear=not args.disable_bias_linear,
+        sequence_parallel=bool(args.sequence_parallel), bias_linear=_bias_linear(args),
         first_stage_layers=getattr(args, "decoder_first_pipeline_num_layers", None),
         last_stage_layers=getattr(args, "decoder_last_pipeline_num_layers", None))
+
+
+def _bias_linear(args) -> bool:
+    """The own loop's `--disable-bias-linear` is Megatron-LM's `add_bias_linear=False`."""
+    if hasattr(args, "disable_bias_linear"):
+        return not args.disable_bias_linear
+    return bool(getattr(args, "add_bias_linear", True))
 
 
 def layout_from_args(args) -> Layout:
@@ -232,6 +239,17 @@ def saved_description(saved_layout: dict | None) -> str:
     if (g("expert_model_parallel_size") or 1) > 1:
         text += f" EP{g('expert_model_parallel_size')}"
     return f"{text} on {g('world_size', '?')} ranks"
+
+
+def shared_store_warning(environ) -> str | None:
+    """The line to print when torchrun shares its rendezvous store with the workers, which breaks
+    restarts after a node loss (pytorch/pytorch#135712: restarted workers read the last round's
+    keys and dial dead peers; gloo: "connectFullMesh failed")."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("elastic: warning: torchrun shares its rendezvous store with the workers; restarts "
+            "after a node loss need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+            "environment (docs/elastic.md)")
 
 
 def summary(choice: Choice, checkpoint: str | None = None) -> str:

@@ -5,9 +5,11 @@ megatron-core >= 0.17).
     # or, from inside a script, before it calls megatron.training.pretrain:
     import megatron_ucp.megatron_lm; megatron_ucp.megatron_lm.install()
 
-`install()` changes the trainer in three places, and nowhere else (docs/megatron_lm.md):
-- its parser (flags.py): `--ckpt-format` gains `universal`, and the project's checkpoint flags
-  join it;
+`install()` changes the trainer in these places, and nowhere else (docs/megatron_lm.md):
+- its parser (flags.py): `--ckpt-format` gains `universal`, and the project's flags join it
+  (checkpoint flags, `--elastic`, `--loss-log`, `--cpu`);
+- `validate_args` (elastic.py): with `--elastic`, the layout is chosen for the world size first;
+- `train_step` (loss_log.py): with `--loss-log`, one JSON line per iteration;
 - its checkpoint functions (checkpoint.py): `save_checkpoint` writes universal checkpoints when
   `--ckpt-format universal`, `load_checkpoint` loads any universal checkpoint on any layout
   whatever `--ckpt-format` says, `load_args_from_checkpoint` reads a manifest's arguments, and
@@ -35,7 +37,7 @@ def install(cpu: bool = False) -> None:
         if cpu and not _INSTALLED["cpu"]:
             raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")
         return
-    from megatron_ucp.megatron_lm import checkpoint, flags, trainer_fixes
+    from megatron_ucp.megatron_lm import checkpoint, elastic, flags, loss_log, trainer_fixes
 
     compat.apply()
     trainer_fixes.apply()
@@ -44,5 +46,7 @@ def install(cpu: bool = False) -> None:
 
         cpu_mode.enable()
     flags.install(cpu)
+    elastic.install()
     checkpoint.install()
+    loss_log.install()
     _INSTALLED["cpu"] = cpu

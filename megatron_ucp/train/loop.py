@@ -269,12 +269,9 @@ def elastic_layout(args, world_size: int) -> None:
     if rank == 0:
         line = elastic.summary(choice, resuming)
         print(f" {line}" + (f" (torchrun restart {restarts})" if restarts else ""), flush=True)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # pytorch/pytorch#135712: restarted workers read the last round's keys in torchrun's
-            # shared store and dial dead peers (gloo: "connectFullMesh failed").
-            print(" elastic: warning: torchrun shares its rendezvous store with the workers; restarts "
-                  "after a node loss need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
-                  "environment (docs/elastic.md)", flush=True)
+        warning = elastic.shared_store_warning(os.environ)
+        if warning:
+            print(f" {warning}", flush=True)
 
 
 def pretrain(argv=None) -> list:
