@@ -18,7 +18,8 @@ PROG = "megatron-ucp"
 # name: (module, its main, the name its errors carry, one line, an example)
 COMMANDS = {
     "train": ("megatron_ucp.train.__main__", "main", "pretrain_gpt_ucp.py",
-              "GPT pretraining, universal checkpoints (Megatron-LM's flags), under torchrun",
+              "GPT pretraining with universal checkpoints under torchrun (megatron-core >= 0.17: "
+              "Megatron-LM's trainer; 0.16: the own loop)",
               "torchrun --nproc-per-node 2 -m megatron_ucp.train --cpu --mock-data --save ckpt ..."),
     "megatron-lm": ("megatron_ucp.megatron_lm.__main__", "main", "megatron_ucp.megatron_lm",
                     "Megatron-LM's own trainer (a pretrain_gpt.py) with universal checkpoints",

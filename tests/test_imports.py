@@ -26,7 +26,9 @@ LAYERS = [
     ("converters", {"convert", "convert.*"}),
     ("training application", {"train", "train.*"}),
     ("Megatron-LM trainer plug-in", {"megatron_lm", "megatron_lm.*"}),  # beside train/, not on it
-    ("commands", {"cli", "__main__", "commands", "commands.*"}),  # the `megatron-ucp` command
+    # the `megatron-ucp` command, and the training entry point, which chooses the trainer (the
+    # own loop on megatron-core 0.16, Megatron-LM's with the plug-in on later releases)
+    ("commands", {"cli", "__main__", "commands", "commands.*", "train.__main__"}),
 ]
 
 
@@ -79,8 +81,11 @@ def _in_train(name: str) -> bool:
 
 def layer_of(name: str):
     short = name[len(PACKAGE) + 1:] if name != PACKAGE else ""
+    for i, (_, members) in enumerate(LAYERS):  # a module named in a layer, before its folder's
+        if short in members:
+            return i
     for i, (_, members) in enumerate(LAYERS):
-        if short in members or f"{short.partition('.')[0]}.*" in members:
+        if f"{short.partition('.')[0]}.*" in members:
             return i
     return None
 

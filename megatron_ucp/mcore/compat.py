@@ -21,6 +21,12 @@ def core_version() -> tuple:
     return (int(info.MAJOR), int(info.MINOR), int(info.PATCH))
 
 
+def ships_megatron_lm() -> bool:
+    """Whether the installed megatron-core wheel ships Megatron-LM's trainer (`megatron.training`,
+    0.17 and later): there `pretrain_gpt_ucp.py` runs it with the plug-in, not the own loop."""
+    return core_version() >= (0, 17)
+
+
 def _have(module: str) -> bool:
     try:
         importlib.import_module(module)

@@ -1,6 +1,7 @@
 """`python -m megatron_ucp.megatron_lm [--cpu] SCRIPT [SCRIPT ARGS]`: run an unchanged
 Megatron-LM training script (one that calls `megatron.training.pretrain`) with universal
-checkpointing installed; under torchrun: `torchrun ... -m megatron_ucp.megatron_lm SCRIPT ...`."""
+checkpointing installed; under torchrun: `torchrun ... -m megatron_ucp.megatron_lm SCRIPT ...`.
+`--cpu` may also come among SCRIPT's arguments, where the trainer's parser takes it too."""
 
 import os
 import runpy
@@ -34,21 +35,24 @@ def main(argv=None) -> int:
     if not os.path.isfile(script):
         return report(PROG, ConfigError(f"{script}: no such script (expected a Megatron-LM training "
                                         "script such as pretrain_gpt.py)"))
-    run_command(lambda: run(script, argv, cpu), PROG)
+    run_command(lambda: run(script, argv, cpu or "--cpu" in argv[1:]), PROG)
 
 
-def run(script: str, argv: list, cpu: bool) -> None:
+def run(script: str, argv: list, cpu: bool, module: str | None = None) -> None:
     """Install, then run `script` as `python SCRIPT ARGS` would (its own argv, its folder first
-    on sys.path); the process group is closed before the interpreter exits (train.loop's
-    close_distributed says why)."""
+    on sys.path), or `module` as `python -m MODULE ARGS` would; the process group is closed
+    before the interpreter exits (engine/collective.close_distributed says why)."""
     from megatron_ucp.megatron_lm import install
     from megatron_ucp.engine.collective import close_distributed
 
     install(cpu=cpu)
     sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module is not None:
+            runpy.run_module(module, run_name="__main__")  # sys.argv[0] stays the entry point's
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
     finally:
         close_distributed()
 

@@ -1,23 +1,22 @@
-"""A GPT pretraining script of the shape of Megatron-LM's `pretrain_gpt.py`, for the plug-in.
+"""The project's GPT pretraining script for Megatron-LM's trainer, of the shape of Megatron-LM's
+`pretrain_gpt.py`: model, forward step and dataset providers handed to `megatron.training.pretrain`.
 
-It only calls Megatron-LM's trainer (`megatron.training.pretrain`, shipped in megatron-core
->= 0.17); nothing in it knows about universal checkpoints. Run it through the plug-in:
+It knows nothing of universal checkpoints: `pretrain_gpt_ucp.py` (megatron-core >= 0.17) runs
+it through the plug-in, as `python -m megatron_ucp.megatron_lm` runs any such script:
 
-    torchrun --nproc-per-node 2 -m megatron_ucp.megatron_lm [--cpu] examples/megatron_lm/pretrain_gpt.py \
-        --tensor-model-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
-        --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 \
-        --train-iters 20 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 \
+    torchrun --nproc-per-node 2 pretrain_gpt_ucp.py --cpu --tensor-model-parallel-size 2 \\
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
+        --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --train-iters 20 \\
+        --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 \\
         --save ckpt --save-interval 10 --ckpt-format universal
 
-The model is megatron-core's GPTModel with transformer-engine's layer spec where TE is installed
-(`--transformer-impl transformer_engine`, Megatron-LM's default), else the local spec; MoE
-layers come from megatron's decoder block spec. Data: megatron-core's GPTDataset, or its mock
-dataset with `--mock-data`.
+The model is megatron-core's GPTModel: transformer-engine's layer spec where TE is installed
+(`--transformer-impl transformer_engine`, Megatron-LM's default), else the local one; MoE layers
+from megatron's decoder block spec; MLA (`--multi-latent-attention`) and MTP (`--mtp-num-layers`)
+as Megatron-LM builds them. Data: megatron-core's GPTDataset, or its mock dataset (`--mock-data`).
 """
 
 import inspect
-import json
-import os
 from functools import partial
 
 import torch
@@ -28,34 +27,39 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                       get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
+                                                      get_gpt_layer_with_transformer_engine_spec,
+                                                      get_gpt_mtp_block_spec)
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 try:
     from megatron.training.utils import get_blend_and_blend_per_split
-except ImportError:
+except ImportError:  # 0.19 moved it
     from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
 
-def _transformer_config(args):
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    return core_transformer_config_from_args(args)
+def _layer_spec(args, config, use_te, vp_stage):
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention)
+    return get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                    args.multi_latent_attention, normalization=args.normalization)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """megatron-core's GPTModel for this rank's pipeline stage (and virtual stage)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
     args = get_args()
-    config = config or _transformer_config(args)
+    config = config or core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
-    elif use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
-    else:
-        spec = get_gpt_layer_local_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
-            normalization=args.normalization)
+    spec = _layer_spec(args, config, use_te, vp_stage)
+    mtp_spec = None
+    if args.mtp_num_layers:
+        layer = spec.layer_specs[-1] if hasattr(spec, "layer_specs") else spec
+        mtp_spec = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_te, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -69,27 +73,19 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
     )
 
 
-# Tests and demos: every training (not validation) micro-batch's summed loss and token count, one
-# JSON line each, in UCP_LOSS_LOG.rank<N>. An iteration's loss is their sums' ratio: the value
-# Megatron-LM logs, whose first logged iteration after a start is not reset (the second logged
-# then averages two iterations).
-LOSS_LOG = os.environ.get("UCP_LOSS_LOG")
-
-
 def loss_func(loss_mask, output_tensor):
-    """Summed token losses and the token count, as Megatron-LM's GPT loss reports them."""
+    """Summed token losses and the token count, as Megatron-LM's GPT loss reports them (the
+    trainer divides their sums over the global batch)."""
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    if LOSS_LOG and torch.is_grad_enabled() and parallel_state.get_tensor_model_parallel_rank() == 0:
-        record = {"iteration": get_args().curr_iteration + 1, "loss": float(loss), "tokens": int(num_tokens)}
-        with open(f"{LOSS_LOG}.rank{torch.distributed.get_rank()}", "a") as f:
-            f.write(json.dumps(record) + "\n")
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
@@ -110,8 +106,9 @@ def get_batch(data_iterator, vp_stage=None):
 
 
 def forward_step(data_iterator, model, return_schedule_plan=False):
+    # the model arrives wrapped (DDP, Float16Module); its virtual stage is the GPTModel's
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, getattr(model, "vp_stage", None))
+        data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 
