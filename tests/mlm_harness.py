@@ -1,12 +1,12 @@
-"""Runs of Megatron-LM's own trainer through the plug-in (`python -m megatron_ucp.megatron_lm
---cpu examples/megatron_lm/pretrain_gpt.py ...`) for the tests, and their losses.
+"""Runs of Megatron-LM's own trainer through the plug-in for the tests, and their losses:
+`pretrain_gpt_ucp.py --cpu ...` (on megatron-core >= 0.17 the trainer with the project's GPT
+script), or `python -m megatron_ucp.megatron_lm --cpu SCRIPT ...` for a script of a user's.
 
 The trainer ships with megatron-core >= 0.17: the interpreter is this one when its megatron-core
 has it, else UCP_OTHER_PYTHON's (run.sh points it at the 0.19.2 venv); without either the
 tests skip, and with UCP_REQUIRE_OTHER=1 (CI) they fail instead.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -17,19 +17,20 @@ from pathlib import Path
 import pytest
 
 from harness import REPO, free_port
+from megatron_ucp.megatron_lm import loss_log
 
-SCRIPT = REPO / "examples" / "megatron_lm" / "pretrain_gpt.py"
+ENTRY = REPO / "pretrain_gpt_ucp.py"
+GPT_SCRIPT = REPO / "megatron_ucp" / "megatron_lm" / "gpt.py"  # run as a user's script is
 
-# A tiny GPT on megatron's mock data, fp32, dropout 0, the local spec (no TE here).
+# A tiny GPT on megatron's mock data, fp32, dropout 0; --cpu takes the local spec and no fused
+# kernels by default (megatron_lm/flags.py).
 BASE = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
     "--lr", "5e-3", "--lr-decay-style", "constant", "--seed", "7", "--mock-data",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "250", "--make-vocab-size-divisible-by", "32",
-    "--transformer-impl", "local", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
 ]
 CORE_CHECK = "from megatron_ucp.mcore.compat import core_version; print(core_version() >= (0, 17))"
 
@@ -50,17 +51,9 @@ def trainer_python() -> str:
 
 
 def read_losses(workdir: Path) -> dict:
-    """{iteration: loss} as Megatron-LM computes it: summed token losses over summed tokens of
-    every micro-batch of every data-parallel rank (the script's UCP_LOSS_LOG lines)."""
-    sums = {}
-    for path in workdir.glob("losses.jsonl.rank*"):
-        for line in path.read_text().splitlines():
-            if not line.endswith("}"):
-                continue  # a line still being written
-            r = json.loads(line)
-            loss, tokens = sums.get(r["iteration"], (0.0, 0))
-            sums[r["iteration"]] = (loss + r["loss"], tokens + r["tokens"])
-    return {it: loss / tokens for it, (loss, tokens) in sorted(sums.items())}
+    """{iteration: loss} as Megatron-LM computes it (the trainer's --loss-log)."""
+    path = workdir / "loss.jsonl"
+    return loss_log.read(path) if path.exists() else {}
 
 
 class Run:
@@ -78,18 +71,19 @@ class Run:
 
 
 def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout: int = 600,
-        kill_after_iteration: int = None, base: list = BASE) -> Run:
-    """Train `base` + `extra` to `iters` in `nproc` CPU processes; with `kill_after_iteration`,
-    SIGTERM the whole process group once that iteration's loss is logged, as Slurm signals a
-    job step (torchrun itself then exits 1, its SignalException; the workers save and exit)."""
+        kill_after_iteration: int = None, base: list = BASE, as_script: bool = False) -> Run:
+    """Train `base` + `extra` to `iters` in `nproc` CPU processes with pretrain_gpt_ucp.py (or,
+    `as_script`, the GPT script through `python -m megatron_ucp.megatron_lm`); with
+    `kill_after_iteration`, SIGTERM the whole process group once that iteration's loss is
+    logged, as Slurm signals a job step (torchrun itself then exits 1, its SignalException;
+    the workers save and exit)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    for old in workdir.glob("losses.jsonl.rank*"):
-        old.unlink()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1",
-               UCP_LOSS_LOG=str(workdir / "losses.jsonl"))
+    (workdir / "loss.jsonl").unlink(missing_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
+    entry = ["-m", "megatron_ucp.megatron_lm", "--cpu", str(GPT_SCRIPT)] if as_script else [str(ENTRY), "--cpu"]
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_ucp.megatron_lm", "--cpu",
-           str(SCRIPT)] + base + extra + ["--train-iters", str(iters)]
+           "127.0.0.1", "--master-port", str(free_port()), *entry] + base + extra + [
+        "--train-iters", str(iters), "--loss-log", str(workdir / "loss.jsonl")]
     if kill_after_iteration is None:
         proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
         return Run(proc.returncode, proc.stdout + proc.stderr, workdir)

@@ -7,17 +7,13 @@ are SIGKILLed (a node lost); the survivor's workers fail, torchrun restarts them
 losses must match an uninterrupted 4-process run.
 """
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import psutil
 import pytest
 
+from elastic_harness import env, lose_a_node, read_log, tracker
 from harness import BASE, REPO, free_port
 
 pytestmark = pytest.mark.slow  # 2-6 minutes on 2 busy CPU cores; run by hand (docs/elastic.md)
@@ -26,65 +22,6 @@ N, SAVE_INTERVAL, KILL_AFTER = 16, 4, 6  # train to N; kill once iteration KILL_
 ARGS = BASE + ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                "--train-iters", str(N), "--save-interval", str(SAVE_INTERVAL),
                "--distributed-timeout-minutes", "1"]
-
-
-def env():
-    # A fresh worker store every rendezvous round: torchrun's shared agent store keeps the last
-    # round's keys, and gloo's restarted workers then dial the dead workers' addresses.
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
-                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-
-
-def read_log(path: Path) -> list:
-    """[(iteration, loss)] in the order rank 0 wrote them (several runs append to one file)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the kill
-            continue
-        out.append((r["iteration"], r["loss"]))
-    return out
-
-
-def segments(log: list) -> list:
-    """Split the log where the iteration count goes back (a restart from a checkpoint)."""
-    parts = [[]]
-    for it, loss in log:
-        if parts[-1] and it <= parts[-1][-1][0]:
-            parts.append([])
-        parts[-1].append((it, loss))
-    return [p for p in parts if p]
-
-
-def tracker(ckpt: Path) -> int:
-    try:
-        return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
-def kill_node(proc: subprocess.Popen) -> None:
-    """SIGKILL an agent and everything it started (its workers run in sessions of their own)."""
-    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    os.killpg(proc.pid, signal.SIGKILL)
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def wait_listening(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-               for c in psutil.net_connections("tcp")):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the rendezvous store never listened on port {port}")
 
 
 def test_node_loss_resumes_on_fewer_ranks(tmp_path):
@@ -101,43 +38,12 @@ def test_node_loss_resumes_on_fewer_ranks(tmp_path):
     ref_seconds = time.monotonic() - start
 
     # The elastic run: two agents ("nodes") of 2 workers in one rendezvous.
-    ckpt, log = tmp_path / "ckpt", tmp_path / "elastic.jsonl"
-    port = free_port()
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", f"elastic-test-{port}", "--rdzv-conf", "last_call_timeout=10",
-             "--max-restarts", "3", "--monitor-interval", "0.5",
-             str(REPO / "pretrain_gpt_ucp.py"), *ARGS, "--elastic", "--save", str(ckpt),
-             "--load", str(ckpt), "--loss-log", str(log)]
-    # Agent 0 starts first and hosts the rendezvous store; agent 1 is the node that dies.
-    with open(tmp_path / "agent0.log", "w") as out0, open(tmp_path / "agent1.log", "w") as out1:
-        survivor = subprocess.Popen(agent, env=env(), cwd=tmp_path, stdout=out0,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        victim = None
-        try:
-            wait_listening(port, 60)
-            victim = subprocess.Popen(agent, env=env(), cwd=tmp_path, stdout=out1,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-            elastic_start = time.monotonic()
-            deadline = elastic_start + 300
-            while not (tracker(ckpt) >= SAVE_INTERVAL and read_log(log)
-                       and read_log(log)[-1][0] >= KILL_AFTER):
-                assert time.monotonic() < deadline, "the 4-process elastic run never reached the kill point"
-                assert victim.poll() is None and survivor.poll() is None, "an agent exited early"
-                time.sleep(0.05)
-            kill_node(victim)
-            killed_at = time.monotonic()
-            saved_at_kill = tracker(ckpt)
-            rc = survivor.wait(timeout=400)
-            finished = time.monotonic()
-        finally:
-            for p in (survivor, victim):
-                if p is not None and p.poll() is None:
-                    kill_node(p)
-    text = (tmp_path / "agent0.log").read_text()
-    assert rc == 0, text[-6000:]
+    ckpt = tmp_path / "ckpt"
+    run = lose_a_node(tmp_path, sys.executable, ARGS, ckpt, KILL_AFTER, SAVE_INTERVAL)
+    text, saved_at_kill = run["output"], run["saved_at_kill"]
+    assert run["rc"] == 0, text[-6000:]
 
-    parts = segments(read_log(log))
+    parts = run["segments"]
     assert len(parts) == 2, parts
     before, after = parts
     last_before = before[-1][0]
@@ -152,7 +58,7 @@ def test_node_loss_resumes_on_fewer_ranks(tmp_path):
     delta_before = max(abs(loss - reference[it]) for it, loss in before)
     delta_after = max(abs(loss - reference[it]) for it, loss in after)
     assert delta_before < 1e-4 and delta_after < 1e-4, (delta_before, delta_after)
-    print(f"\nreference 4-process run {ref_seconds:.1f} s; elastic run {finished - elastic_start:.1f} s, "
-          f"of which {finished - killed_at:.1f} s after the kill; killed after iteration {last_before}, "
+    print(f"\nreference 4-process run {ref_seconds:.1f} s; elastic run {run['to_kill'] + run['after_kill']:.1f} s, "
+          f"of which {run['after_kill']:.1f} s after the kill; killed after iteration {last_before}, "
           f"resumed from {resumed_from} ({last_before - resumed_from} redone); max |loss - reference| "
           f"{delta_before:.2e} before, {delta_after:.2e} after")

@@ -1,22 +1,36 @@
-"""Universal checkpoints inside Megatron-LM's own trainer (megatron_ucp.megatron_lm): an unchanged
-Megatron-LM-style script (examples/megatron_lm/pretrain_gpt.py) trains through the plug-in, saves
-universal checkpoints at the trainer's own save points and resumes them on other layouts with
-the uninterrupted run's losses (fp32, dropout 0). Needs megatron-core >= 0.17 (mlm_harness)."""
+"""Universal checkpoints inside Megatron-LM's own trainer: `pretrain_gpt_ucp.py` on megatron-core
+>= 0.17 (Megatron-LM's trainer, the plug-in, the project's GPT script), and an unchanged script
+through `python -m megatron_ucp.megatron_lm`. Runs save universal checkpoints at the trainer's own
+save points and resume them on other layouts (TP, PP, VPP, DP with the distributed optimizer, SP,
+EP and expert TP, uneven pipelines, MLA, another padded vocabulary, --elastic after a lost
+node) with the uninterrupted run's losses (fp32, dropout 0); Megatron-LM features the own loop
+never had (activation recomputation, EOD masking with reset position ids on GPTDataset, warmup and
+--override-opt_param-scheduler) survive a resume on another layout. Needs megatron-core >= 0.17
+(mlm_harness)."""
 
 import json
+import math
 import os
+import re
 
 import pytest
 
-from mlm_harness import max_delta, run, trainer_python
+from mlm_harness import BASE, max_delta, run, trainer_python
 
 N, K = 10, 4  # the reference trains to N, saving every K (iterations 4 and 8, then the final 10)
 TOL = 1e-4
 UNIVERSAL = ["--ckpt-format", "universal"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+SP = ["--sequence-parallel"]
 DIST = ["--use-distributed-optimizer"]
+VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+# MLA with compressed queries, key heads of 8 + 4 rotary channels and value heads of 6.
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+       "--qk-layernorm", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +43,7 @@ def reference(python, tmp_path_factory):
     """TP2, universal checkpoints written in the background (--async-save) every K iterations."""
     work = tmp_path_factory.mktemp("reference")
     r = run(python, work / "run", 2, TP2 + UNIVERSAL + ["--async-save", "--save", str(work / "ckpt"),
-                                                        "--save-interval", str(K)], N).check()
+                                                        "--save-interval", str(K)], N, as_script=True).check()
     return {"losses": r.losses(), "ckpt": work / "ckpt", "output": r.output}
 
 
@@ -53,7 +67,9 @@ def test_reference_saves_universal_checkpoints_at_the_trainers_save_points(refer
 @pytest.mark.parametrize("name,nproc,layout", [
     ("pp2", 2, PP2),
     ("dp2_dist", 2, DIST),  # 2 processes, no TP: data-parallel 2
-    ("tp2pp2", 4, TP2 + PP2),
+    ("tp2_sp_pp2", 4, TP2 + SP + PP2),
+    ("pp2_vpp_dp2_dist", 4, PP2 + VPP + DIST),  # interleaved: 2 virtual stages of 1 layer per stage
+    ("pp2_uneven", 2, PP2 + UNEVEN),  # 1 layer on the first stage, 3 on the last
 ])
 def test_resume_on_another_layout(python, reference, tmp_path, name, nproc, layout):
     r = resume(python, reference, tmp_path, nproc, layout)
@@ -115,13 +131,56 @@ def test_a_torch_dist_job_switches_to_universal(python, reference, tmp_path):
     assert max_delta(reference["losses"], losses, range(K + 1, N + 1)) <= TOL
 
 
-def test_moe_resumes_from_ep2_on_ep1(python, tmp_path):
+@pytest.fixture(scope="module")
+def moe_reference(python, tmp_path_factory):
+    work = tmp_path_factory.mktemp("moe")
+    r = run(python, work / "run", 2, MOE + ["--expert-model-parallel-size", "2"] + UNIVERSAL
+            + ["--save", str(work / "ckpt"), "--save-interval", str(K)], N).check()
+    return {"losses": r.losses(), "ckpt": work / "ckpt"}
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("ep1_dp2_dist", DIST),
+    # megatron trains MoE under TP only with SP; the experts split over TP instead of EP
+    ("tp2_sp_expert_tp2", TP2 + SP + ["--expert-tensor-parallel-size", "2"]),
+])
+def test_moe_resumes_from_ep2_on_another_layout(python, moe_reference, tmp_path, name, layout):
+    r = run(python, tmp_path, 2, MOE + layout + UNIVERSAL + ["--load", str(moe_reference["ckpt"]),
+                                                            "--ckpt-step", str(K)], N).check()
+    assert max_delta(moe_reference["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
+
+
+def test_mla_resumes_from_tp2_on_pp2(python, tmp_path):
     ckpt = tmp_path / "ckpt"
-    ref = run(python, tmp_path / "ref", 2, MOE + ["--expert-model-parallel-size", "2"] + UNIVERSAL
-              + ["--save", str(ckpt), "--save-interval", str(K)], N).check()
-    r = run(python, tmp_path / "ep1", 2, MOE + DIST + UNIVERSAL + ["--load", str(ckpt),
-                                                                      "--ckpt-step", str(K)], N).check()
+    ref = run(python, tmp_path / "ref", 2, MLA + TP2 + UNIVERSAL + ["--save", str(ckpt),
+                                                                   "--save-interval", str(K)], N).check()
+    r = run(python, tmp_path / "pp2", 2, MLA + PP2 + UNIVERSAL + ["--load", str(ckpt), "--ckpt-step", str(K)],
+            N).check()
     assert max_delta(ref.losses(), r.losses(), range(K + 1, N + 1)) <= TOL
+
+
+def test_elastic_resumes_on_the_surviving_node(python, reference, tmp_path):
+    """Two torchrun agents of 2 workers (TP2 x DP2, --elastic); one is killed with its workers
+    after iteration 5 (a lost node). The survivor's torchrun restarts its workers on 2 ranks, the
+    plug-in picks TP2 x DP1 before megatron builds its parallel state, and the run resumes the
+    latest checkpoint with the uninterrupted run's losses."""
+    from elastic_harness import lose_a_node
+
+    ckpt = tmp_path / "ckpt"
+    argv = BASE + TP2 + DIST + UNIVERSAL + ["--cpu", "--train-iters", str(N), "--save-interval", "2",
+                                            "--distributed-timeout-minutes", "1"]
+    r = lose_a_node(tmp_path, python, argv, ckpt, kill_after=5, min_saved=2)
+    assert r["rc"] == 0, r["output"][-6000:]
+    before, after = r["segments"]
+    resumed_from = after[0][0] - 1
+    assert resumed_from >= r["saved_at_kill"] >= 2 and after[-1][0] == N
+    assert "elastic: world size 2: training on TP2 PP1 DP1, 4 micro-batches per step" in r["output"]
+    assert f"resuming iteration {resumed_from} saved on TP2 PP1 DP2 on 4 ranks" in r["output"]
+    losses = dict(before)
+    losses.update(after)
+    assert max_delta(reference["losses"], losses, range(1, N + 1)) <= TOL
+    print(f"\nkilled after iteration {before[-1][0]}, resumed from {resumed_from}; "
+          f"{r['after_kill']:.1f} s from the kill to the end")
 
 
 # -- the project's own loop (megatron-core 0.16.1) and Megatron-LM's trainer share checkpoints --
@@ -175,10 +234,8 @@ def own_loop(python, workdir, extra, iters, save=None, load=None, step=None):
 
 
 # --eval-iters 1: megatron's sampler refuses the empty validation split that 0 would give.
-TRAINER_ONLY = ["--eval-iters", "1", "--eval-interval", "1000", "--transformer-impl", "local",
-                "--log-interval", "1", "--num-workers", "0",
-                "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-                "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+TRAINER_ONLY = ["--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1", "--num-workers", "0"]
+ON_CORPUS = SHARED + ["--vocab-size", "251"] + TRAINER_ONLY
 
 
 def test_own_loop_checkpoint_resumes_in_megatron_lm_and_back(python, own_loop_python, corpus, tmp_path):
@@ -188,11 +245,72 @@ def test_own_loop_checkpoint_resumes_in_megatron_lm_and_back(python, own_loop_py
     own_ref = own_loop(own_loop_python, tmp_path / "own_ref", TP2 + corpus, N, save=str(own_ckpt))
     in_mlm = run(python, tmp_path / "in_mlm", 2, PP2 + corpus + UNIVERSAL
                  + ["--load", str(own_ckpt), "--ckpt-step", str(K)], N,
-                 base=SHARED + ["--vocab-size", "251"] + TRAINER_ONLY).check()
+                 base=ON_CORPUS).check()
     assert max_delta(own_ref, in_mlm.losses(), range(K + 1, N + 1)) <= TOL
 
     mlm_ref = run(python, tmp_path / "mlm_ref", 2, TP2 + corpus + UNIVERSAL
                   + ["--save", str(mlm_ckpt), "--save-interval", str(K)], N,
-                  base=SHARED + ["--vocab-size", "251"] + TRAINER_ONLY).check()
+                  base=ON_CORPUS).check()
     in_own = own_loop(own_loop_python, tmp_path / "in_own", PP2 + corpus, N, load=str(mlm_ckpt), step=K)
     assert max_delta(mlm_ref.losses(), in_own, range(K + 1, N + 1)) <= TOL
+
+
+# -- Megatron-LM features the own loop never had, through pretrain_gpt_ucp.py --
+
+# Full activation recomputation of every layer, EOD-masked loss with position ids reset at each
+# document of GPTDataset's samples, a cosine schedule after 3 warmup iterations.
+FEATURES = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+            "--eod-mask-loss", "--reset-position-ids", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",
+            "--min-lr", "1e-4"]
+
+
+def lr_log(run_) -> dict:
+    return {r["iteration"]: r["lr"] for r in map(json.loads, (run_.workdir / "loss.jsonl").read_text().splitlines())}
+
+
+def megatron_lr(iteration, lr, min_lr, warmup_iters, decay_iters, gbs=8) -> float:
+    """The learning rate of an iteration's update as Megatron-LM's OptimizerParamScheduler defines
+    it (steps in samples, linear warmup from 0, then cosine to min_lr over decay_iters)."""
+    step, warmup, decay = (iteration - 1) * gbs, warmup_iters * gbs, decay_iters * gbs
+    if warmup and step <= warmup:
+        return lr * step / warmup
+    ratio = (step - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)
+
+
+@pytest.fixture(scope="module")
+def features(python, corpus, tmp_path_factory):
+    work = tmp_path_factory.mktemp("features")
+    r = run(python, work / "run", 2, TP2 + corpus + FEATURES + UNIVERSAL
+            + ["--save", str(work / "ckpt"), "--save-interval", str(K)], N, base=ON_CORPUS).check()
+    return {"run": r, "losses": r.losses(), "ckpt": work / "ckpt"}
+
+
+def test_recompute_eod_masking_and_warmup_survive_a_resume_on_another_layout(python, corpus, features, tmp_path):
+    for name, value in (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                        ("eod_mask_loss", "True"), ("reset_position_ids", "True")):
+        assert re.search(rf"^\s*{name} \.+ {value}$", features["run"].output, re.M), \
+            f"megatron's argument list lacks {name} = {value}"
+    reference_lr = lr_log(features["run"])
+    assert [reference_lr[i] for i in (1, 2, 3)] == pytest.approx([0.0, 5e-3 / 3, 2 * 5e-3 / 3])
+    r = run(python, tmp_path, 2, PP2 + corpus + FEATURES + UNIVERSAL
+            + ["--load", str(features["ckpt"]), "--ckpt-step", str(K)], N, base=ON_CORPUS).check()
+    assert max_delta(features["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
+    assert {i: lr_log(r)[i] for i in range(K + 1, N + 1)} == pytest.approx(
+        {i: reference_lr[i] for i in range(K + 1, N + 1)}, rel=1e-12)
+
+
+def test_override_opt_param_scheduler_takes_the_command_lines_schedule(python, corpus, features, tmp_path):
+    """Megatron-LM's semantics: a schedule that differs from the checkpoint's is refused, unless
+    --override-opt_param-scheduler, which takes the command line's values and keeps the
+    checkpoint's step count."""
+    new = ["--lr", "1e-2", "--min-lr", "2e-4", "--lr-warmup-iters", "2"]
+    load = UNIVERSAL + ["--load", str(features["ckpt"]), "--ckpt-step", str(K)]
+    refused = run(python, tmp_path / "refused", 2, PP2 + corpus + FEATURES + new + load, N, base=ON_CORPUS)
+    assert refused.returncode != 0
+    assert "OptimizerParamScheduler: class input value 0.01 and checkpoint" in refused.output, refused.output[-3000:]
+    r = run(python, tmp_path / "override", 2, PP2 + corpus + FEATURES + new + load
+            + ["--override-opt_param-scheduler"], N, base=ON_CORPUS).check()
+    assert min(r.losses()) == K + 1
+    expected = {i: megatron_lr(i, 1e-2, 2e-4, 2, N) for i in range(K + 1, N + 1)}
+    assert {i: lr_log(r)[i] for i in range(K + 1, N + 1)} == pytest.approx(expected, rel=1e-9)

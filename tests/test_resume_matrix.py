@@ -26,7 +26,8 @@ from harness import (
     train_step,
 )
 
-pytestmark = pytest.mark.core_subset  # CI runs these on megatron-core 0.19 too (.ci/run)
+# The own loop's resume matrix (megatron-core 0.16); on 0.19 CI resumes through Megatron-LM's
+# trainer instead (tests/test_megatron_lm.py).
 
 N, K = 10, 5  # train to N, resume from K
 TOL = 1e-4
