@@ -21,9 +21,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = [
     "--cpu", "--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--seed", "1234",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "1000",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "2", "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--ckpt-format", "universal",
 ]
+# Megatron-LM's trainer (megatron-core >= 0.17) has no defaults for these (README, "Which trainer").
+MEGATRON_LM = ["--tokenizer-type", "NullTokenizer", "--eval-iters", "0", "--eval-interval", "1000"]
 LAYOUT_A = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
 LAYOUT_B = ["--pipeline-model-parallel-size", "2"]
 
@@ -35,9 +39,25 @@ def torchrun(nproc: int, argv: list, log: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(port),
            str(REPO / "pretrain_gpt_ucp.py")] + argv + ["--loss-log", str(log)]
+    if ships_megatron_lm():
+        cmd += MEGATRON_LM
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     print("$ " + " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True, env=env)
+
+
+def ships_megatron_lm() -> bool:
+    from megatron_ucp.mcore.compat import ships_megatron_lm as ships
+
+    return ships()
+
+
+def trainer() -> str:
+    import megatron.core
+
+    return (f"Megatron-LM's, with universal checkpoints plugged in (megatron-core {megatron.core.__version__})"
+            if ships_megatron_lm() else
+            f"the project's own loop (megatron-core {megatron.core.__version__})")
 
 
 def read_log(path: Path) -> dict:
@@ -80,13 +100,13 @@ def main() -> int:
     for f in (log_a, log_b):
         f.unlink(missing_ok=True)
 
+    print(f"== trainer: {trainer()}")
     print(f"== run A: TP2 + distributed optimizer, {a.iters} iterations, universal save at {a.save_at}")
     torchrun(2, MODEL + LAYOUT_A + ["--train-iters", str(a.iters), "--save", str(ckpt),
                                     "--save-interval", str(a.save_at), "--log-interval", "5"], log_a)
     print(f"== run B: resume iteration {a.save_at} on PP2 (a different layout)")
     torchrun(2, MODEL + LAYOUT_B + ["--train-iters", str(a.iters), "--load", str(ckpt),
-                                    "--ckpt-step", str(a.save_at), "--load-universal",
-                                    "--log-interval", "5"], log_b)
+                                    "--ckpt-step", str(a.save_at), "--log-interval", "5"], log_b)
 
     loss_a, loss_b = read_log(log_a), read_log(log_b)
     print("\n iteration |  A: TP2 (uninterrupted) |  B: PP2 (resumed) |   |A - B|")

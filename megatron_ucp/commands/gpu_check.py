@@ -3,17 +3,14 @@ gpu-check` in a checkout), in under 10 minutes.
 
 What CPU tests cannot show: transformer-engine's layer spec, its FusedAdam (step in the param
 groups, lazy state, the precision-aware optimizer's bf16 moments), bf16 and fp16 over NCCL. Each
-check trains a small GPT with `python -m megatron_ucp.train` and resumes it:
+check trains a small GPT with `python -m megatron_ucp.train` (on megatron-core >= 0.17 Megatron-LM's
+trainer with the plug-in, on 0.16 the project's own loop) and resumes it:
 
 1. TE spec + TE FusedAdam + bf16 + distributed optimizer over NCCL: save at 5, resume at 5 on
    the same layout, losses equal to the uninterrupted run's;
 2. the same with the precision-aware optimizer (bf16 moments, fp32 masters inside FusedAdam);
 3. fp16 with the dynamic loss scaler: same-layout resume, scaler state in the manifest;
-4. the GPU checkpoint to 2 CPU processes (local spec, TP2 over gloo) and back to the GPU;
-5. Megatron-LM's own trainer through the plug-in (`-m megatron_ucp.megatron_lm`, megatron-core
-   >= 0.17, a checkout's examples/megatron_lm/pretrain_gpt.py): TE spec, FusedAdam, bf16 and the
-   distributed optimizer over NCCL save a universal checkpoint, which resumes in the same
-   trainer on 2 CPU processes with TP2 (another layout), losses compared.
+4. the GPU checkpoint to 2 CPU processes (local spec, TP2 over gloo) and back to the GPU.
 
 Prints one line per check and a summary; exits non-zero if any failed. Needs a machine with a
 CUDA torch, transformer-engine and megatron-core installed (nothing is installed here).
@@ -59,13 +56,41 @@ def preflight() -> list:
 GPU_FLAGS = []  # what a "GPU" run adds: --cpu --fused-adam-standin for --dry-run-on-cpu
 
 
+# What Megatron-LM's trainer needs beyond MODEL, whose defaults are the own loop's (README, "Which
+# trainer"); on a GPU it takes transformer-engine's spec and FusedAdam by default, with --cpu the
+# local spec and the FusedAdam stand-in (megatron_lm/flags.py, megatron_lm/cpu.py).
+TRAINER = ["--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
+           "--attention-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
+           "--ckpt-format", "universal"]
+# Not Megatron-LM's: its trainer loads any universal checkpoint universally and takes the stand-in
+# with --cpu by itself; it has no --no-store-param-remainders (TE >= 2.1 stores remainders with the
+# precision-aware optimizer, which the save refuses by name if it cannot read whole fp32 masters).
+OWN_LOOP_ONLY = {"--load-universal", "--fused-adam-standin", "--no-store-param-remainders"}
+
+
+def trainer_name() -> str:
+    from megatron_ucp.mcore.compat import ships_megatron_lm
+
+    return ("Megatron-LM's trainer with the plug-in (megatron-core >= 0.17)" if ships_megatron_lm()
+            else "the project's own loop (megatron-core 0.16)")
+
+
+def command_line(argv: list) -> list:
+    """MODEL + `argv` for the trainer `python -m megatron_ucp.train` runs on this megatron-core."""
+    from megatron_ucp.mcore.compat import ships_megatron_lm
+
+    argv = argv if "--cpu" in argv else GPU_FLAGS + argv
+    if not ships_megatron_lm():
+        return MODEL + argv
+    return MODEL + TRAINER + [a for a in argv if a not in OWN_LOOP_ONLY]
+
+
 def pretrain(work: Path, name: str, nproc: int, argv: list, timeout: int = 240) -> dict:
     """Run the training entry under torchrun; return {iteration: loss} (from --loss-log)."""
     log = work / f"{name}.jsonl"
-    argv = argv if "--cpu" in argv else GPU_FLAGS + argv
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(29400 + (hash(name) % 500)),
-           "-m", "megatron_ucp.train", *MODEL, *argv, "--loss-log", str(log)]
+           "-m", "megatron_ucp.train", *command_line(argv), "--loss-log", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -74,6 +99,18 @@ def pretrain(work: Path, name: str, nproc: int, argv: list, timeout: int = 240) 
         raise RuntimeError(f"{name} exited {proc.returncode} after {time.time() - start:.0f} s; "
                            f"last output:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return {r["iteration"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+def stand_in_gap() -> str | None:
+    """SKIP where the CPU dry run cannot stand in for TE: Megatron-LM's trainer (no
+    --no-store-param-remainders flag) keeps TE >= 2.1's 16-bit master remainders, which the
+    FusedAdam stand-in does not reproduce."""
+    from megatron_ucp.mcore.compat import ships_megatron_lm
+
+    if GPU_FLAGS and ships_megatron_lm():
+        return ("SKIP  dry run: Megatron-LM's trainer stores TE's param remainders, which the "
+                "FusedAdam stand-in does not reproduce (on a GPU this check runs)")
+    return None
 
 
 def delta(reference: dict, resumed: dict) -> float:
@@ -105,8 +142,10 @@ def cpu_and_back(work) -> str:
     reference = {r["iteration"]: r["loss"] for r in
                  map(json.loads, (work / "te_bf16_full.jsonl").read_text().splitlines())}
     cpu_ckpt = str(work / "cpu_tp2")
+    # --exit-interval, not a shorter --train-iters: Megatron-LM's scheduler checks it on load.
     cpu = pretrain(work, "cpu_tp2", 2, ["--cpu", "--tensor-model-parallel-size", "2", *bf16,
-                                        "--train-iters", "7", "--load", gpu, "--ckpt-step", str(K),
+                                        "--train-iters", str(N), "--exit-interval", "7",
+                                        "--load", gpu, "--ckpt-step", str(K),
                                         "--load-universal", "--save", cpu_ckpt, "--save-interval", "7"],
                    timeout=300)
     back = pretrain(work, "gpu_back", 1, [*bf16, "--train-iters", str(N), "--load", cpu_ckpt,
@@ -115,56 +154,6 @@ def cpu_and_back(work) -> str:
     if max(d_cpu, d_back) > GPU_CPU_TOL:
         raise RuntimeError(f"max |dloss| GPU->CPU {d_cpu:.3g}, CPU->GPU {d_back:.3g} > {GPU_CPU_TOL}")
     return f"max |dloss| GPU->CPU TP2 {d_cpu:.3g}, back on the GPU {d_back:.3g}"
-
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_lm" / "pretrain_gpt.py"
-MLM_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--lr", "5e-3", "--lr-decay-style", "constant", "--seed", "7", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--attention-dropout", "0",
-             "--hidden-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-             "--num-workers", "0", "--bf16", "--use-distributed-optimizer", "--ckpt-format", "universal",
-             "--train-iters", str(N)]
-CPU_TRAINER = ["--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-               "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-               "--no-rope-fusion"]
-
-
-def megatron_lm(work: Path, name: str, nproc: int, cpu: bool, argv: list, timeout: int = 300) -> dict:
-    """The example script under Megatron-LM's trainer with the plug-in; {iteration: loss}."""
-    log = work / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(29400 + (hash(name) % 500)),
-           "-m", "megatron_ucp.megatron_lm", *(["--cpu"] if cpu else []), str(EXAMPLE), *MLM_MODEL,
-           *(CPU_TRAINER if cpu else ["--transformer-impl", "transformer_engine"]), *argv]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", UCP_LOSS_LOG=str(log)),
-                          capture_output=True, text=True, timeout=timeout, cwd=work)
-    (work / f"{name}.out").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} exited {proc.returncode}; last output:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    sums = {}
-    for path in work.glob(f"{name}.jsonl.rank*"):
-        for r in map(json.loads, path.read_text().splitlines()):
-            loss, tokens = sums.get(r["iteration"], (0.0, 0))
-            sums[r["iteration"]] = (loss + r["loss"], tokens + r["tokens"])
-    return {i: loss / tokens for i, (loss, tokens) in sums.items()}
-
-
-def megatron_lm_trainer(work, cpu_only: bool) -> str:
-    from megatron_ucp.mcore.compat import core_version
-
-    if core_version() < (0, 17):
-        return f"SKIP  megatron-core {'.'.join(map(str, core_version()))} ships no Megatron-LM trainer"
-    if not EXAMPLE.exists():
-        return f"SKIP  {EXAMPLE} is not here (a checkout has it; an installed wheel does not)"
-    ckpt = str(work / "mlm")
-    full = megatron_lm(work, "mlm_full", 1, cpu_only, ["--save", ckpt, "--save-interval", str(K)])
-    cpu = megatron_lm(work, "mlm_cpu_tp2", 2, True, ["--tensor-model-parallel-size", "2", "--load", ckpt,
-                                                     "--ckpt-step", str(K)])
-    d = delta(full, cpu)
-    if d > GPU_CPU_TOL:
-        raise RuntimeError(f"max |dloss| trainer GPU -> trainer CPU TP2 {d:.3g} > {GPU_CPU_TOL}")
-    return f"max |dloss| Megatron-LM trainer (TE, bf16, NCCL) -> the trainer on CPU TP2 {d:.3g}"
 
 
 def main(argv=None) -> int:
@@ -190,7 +179,7 @@ def main(argv=None) -> int:
         ("TE spec + FusedAdam + bf16 + distributed optimizer, same-layout resume",
          lambda: same_layout(work, "te_bf16", ["--bf16", "--use-distributed-optimizer"])),
         ("precision-aware optimizer (bf16 moments), same-layout resume",
-         lambda: same_layout(work, "te_bf16_moments", [
+         lambda: stand_in_gap() or same_layout(work, "te_bf16_moments", [
              "--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
              "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
              "--no-store-param-remainders"])),
@@ -198,9 +187,8 @@ def main(argv=None) -> int:
          lambda: same_layout(work, "te_fp16", ["--fp16", "--use-distributed-optimizer",
                                                "--initial-loss-scale", "1024", "--loss-scale-window", "2"])),
         ("GPU checkpoint -> 2 CPU processes (local spec, TP2, gloo) -> GPU", lambda: cpu_and_back(work)),
-        ("Megatron-LM's trainer with the plug-in (TE, FusedAdam, bf16, NCCL) -> CPU TP2",
-         lambda: megatron_lm_trainer(work, cpu_only=bool(GPU_FLAGS))),
     ]
+    print(f"gpu-check: every run is {trainer_name()}", flush=True)
     failed = 0
     for title, check in checks:
         start = time.time()
