@@ -40,9 +40,14 @@ class _InitializeTorch(cpu_mode._TorchOnCpu):
 def _no_cuda_generator():
     """A CPU process has no CUDA generator: megatron saves and restores one every step
     (rerun_state_machine.py:979/992) and in its checkpoints (checkpointing.py:417/2665/2677);
-    an empty state stands for it."""
+    an empty state stands for it. Activation recomputation saves and restores it around every
+    recomputed chunk (tensor_parallel/random.py:528/538, through _get/_set_cuda_rng_state at
+    104/135); the CPU generator, which a CPU process's dropout draws from, is saved beside it."""
     torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *a, **k: None
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda *a, **k: None
 
 
 def _stand_in_optimizer():
