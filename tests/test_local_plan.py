@@ -31,6 +31,18 @@ def test_replicas_live_on_other_distinct_nodes(hosts, k):
             assert len(lp.replica_sources(targets, rank)) == min(k, nodes - 1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(clusters(), st.integers(0, 3), st.data())
+def test_node_shares_add_up_to_every_copy(hosts, k, data):
+    """Over all nodes, the originals are every piece once and the replicas every piece as often
+    as it is replicated."""
+    sizes = data.draw(st.lists(st.integers(0, 1000), min_size=len(hosts), max_size=len(hosts)))
+    shares = [lp.node_share(hosts, sizes, k, h) for h in set(hosts)]
+    copies = min(k, len(set(hosts)) - 1)
+    assert sum(o for o, _ in shares) == sum(sizes)
+    assert sum(r for _, r in shares) == copies * sum(sizes)
+
+
 def _inventory(hosts, world, iteration, lost=(), bad=()):
     """What each surviving node holds of `iteration` after a save on `hosts` with 1 replica."""
     targets = lp.replica_targets(hosts, 1)
@@ -80,6 +92,18 @@ def test_bad_copies_fall_back_and_are_named():
     none = lp.choose(inventories, newer_than=4)
     assert none.iteration is None and none.notes[-1] == ("local iteration 4 is not newer than the "
                                                          "persistent checkpoint's 4")
+
+
+def test_a_copy_found_bad_on_read_takes_the_other():
+    """mark_bad (what reading the chosen copies found): the next choice takes the other copy."""
+    hosts = ["a", "a", "b", "b"]
+    inv = list(_inventory(hosts, 4, 6).values())
+    first = lp.choose(inv, newer_than=-1)
+    assert first.holders[0] == ["a", "b"]
+    again = lp.choose(lp.mark_bad(inv, [("a", 6, 0, "CRC-32 differs")]), newer_than=-1)
+    assert again.iteration == 6 and again.holders[0] == ["b"]
+    assert again.notes == ["local iteration 6: bad copies: a: rank 0's piece CRC-32 differs"]
+    assert lp.transfers(again, hosts) == [(2, 0, 0)]  # a lacks only 0; b holds every piece
 
 
 def test_nodes_disagreeing_on_world_are_skipped():

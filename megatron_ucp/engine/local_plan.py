@@ -48,6 +48,15 @@ def replica_sources(targets: Dict[int, List[int]], rank: int) -> List[int]:
     return sorted(r for r, ts in targets.items() if rank in ts)
 
 
+def node_share(hosts: Sequence[str], sizes: Sequence[int], replicas: int, host: str) -> Tuple[int, int]:
+    """(bytes of node `host`'s own ranks' pieces, bytes of the replicas it keeps) of one local
+    iteration, `sizes[rank]` being each rank's piece."""
+    targets = replica_targets(hosts, replicas)
+    ranks = nodes_of(hosts)[host]
+    return (sum(sizes[r] for r in ranks),
+            sum(sizes[s] for r in ranks for s in replica_sources(targets, r)))
+
+
 @dataclass(frozen=True)
 class Copy:
     """One copy of saving rank `rank`'s piece of an iteration, as a node's inventory found it."""
@@ -118,6 +127,15 @@ def choose(inventories: Sequence[Sequence[Iteration]], newer_than: int) -> Choic
             continue
         return Choice(iteration, world, {r: sorted(set(hs)) for r, hs in holders.items()}, notes)
     return Choice(None, notes=notes)
+
+
+def mark_bad(inventories: Sequence[Sequence[Iteration]], bad: Sequence[Tuple[str, int, int, str]]) -> list:
+    """`inventories` with the copies `bad` names ((host, iteration, rank, why)) marked bad: what
+    a read of them found, for the next `choose`."""
+    why = {(h, it, r): w for h, it, r, w in bad}
+    return [[Iteration(it.iteration, it.world,
+                       tuple(Copy(c.host, c.rank, c.nbytes, why.get((c.host, it.iteration, c.rank), c.bad))
+                             for c in it.copies)) for it in node] for node in inventories]
 
 
 def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]]:

@@ -180,8 +180,7 @@ def _check_space(tier: LocalTier, sizes) -> None:
         return
     os.makedirs(tier.node_dir, exist_ok=True)
     ranks = local_plan.nodes_of(tier.hosts)[tier.host]
-    originals = sum(sizes[r] for r in ranks)
-    replicas = sum(sizes[s] for r in ranks for s in local_plan.replica_sources(tier.targets, r))
+    originals, replicas = local_plan.node_share(tier.hosts, sizes, tier.replicas, tier.host)
     need = (KEPT + 1) * (originals + replicas)
     held = _tree_bytes(tier.node_dir)  # the tier's own files: reused, pruned as it goes
     free = shutil.disk_usage(tier.node_dir).free

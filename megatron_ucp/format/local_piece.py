@@ -132,12 +132,16 @@ def held_ranks(node_dir: str, iteration: int) -> List[int]:
     return sorted(out)
 
 
-def check_piece(node_dir: str, iteration: int, rank: int) -> Tuple[int, Optional[str]]:
-    """(bytes, None) for a sound piece, (0, why) for a bad one."""
+def listed_size(node_dir: str, iteration: int, rank: int) -> Tuple[int, Optional[str]]:
+    """(bytes, None) as a piece's sidecar records them, or (0, why) when the sidecar is bad;
+    the piece itself is checked when it is read (read_piece)."""
+    path = piece_path(node_dir, iteration, rank)
     try:
-        return len(read_piece(node_dir, iteration, rank)), None
-    except IntegrityError as e:
-        return 0, str(e)
+        with open(path[: -len(".safetensors")] + ".json") as f:
+            record = json.load(f)
+        return int(record["bytes"]), None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return 0, f"{path}: sidecar unreadable ({e})"
 
 
 def prune(node_dir: str, keep: int = 2) -> None:

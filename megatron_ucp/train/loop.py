@@ -339,7 +339,10 @@ def train(args, state) -> list:
     start = time.perf_counter()
     iteration, consumed = resume(args, state, tier)
     if args.load or tier is not None:
-        monitor.scalars(iteration, {"load-checkpoint-seconds": time.perf_counter() - start})
+        seconds = time.perf_counter() - start
+        monitor.scalars(iteration, {"load-checkpoint-seconds": seconds})
+        if iteration and dist.get_rank() == 0:
+            print(f" resumed iteration {iteration} in {seconds:.2f} s", flush=True)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     history = []
