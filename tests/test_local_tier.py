@@ -176,3 +176,60 @@ def test_piece_checksum_is_over_every_byte(tmp_path):
         path.write_bytes(bytes(raw))
         with pytest.raises(IntegrityError, match=f"{path}: CRC-32 {zlib.crc32(bytes(raw)):08x}"):
             local_piece.read_piece(str(tmp_path), 3, 1)
+
+
+def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
+    """A node dir without room for 3 iterations of its pieces and replicas: one line with the
+    numbers; with room: nothing."""
+    import collections
+    import types
+
+    from megatron_ucp.engine import local_tier
+    from megatron_ucp.errors import ConfigError
+
+    tier = types.SimpleNamespace(leader=True, node_dir=str(tmp_path / "n0"), host="n0",
+                                 hosts=["n0", "n0", "n1", "n1"], replicas=1)
+    usage = collections.namedtuple("usage", "total used free")
+    gib = 2**30
+    monkeypatch.setattr(local_tier.shutil, "disk_usage", lambda path: usage(0, 0, 5 * gib))
+    local_tier._check_space(tier, [gib // 4] * 4)  # 3 x (0.5 + 0.5) GiB = 3 GiB <= 5
+    with pytest.raises(ConfigError) as e:
+        local_tier._check_space(tier, [gib] * 4)  # 3 x (2 + 2) GiB = 12 GiB > 5
+    message = str(e.value)
+    assert "\n" not in message
+    for text in ("needs 12.00 GiB on n0", "3 iterations x (2.00 GiB of its 2 ranks' pieces + 2.00 GiB of "
+                 "replicas)", "5.00 GiB are free", str(tmp_path / "n0")):
+        assert text in message, message
+
+
+def test_check_loss_sets_a_bad_local_iteration_aside(tmp_path):
+    """--local-ckpt-check-loss: a NaN first loss after a local restore removes the iteration's
+    COMPLETE marker and stops with one error; a finite one keeps it."""
+    import argparse
+    import math
+    import types
+
+    import torch.distributed as dist
+
+    from harness import free_port
+    from megatron_ucp.errors import IntegrityError
+    from megatron_ucp.format import local_piece
+    from megatron_ucp.train import loop
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        for loss, kept in ((1.5, True), (math.nan, False)):
+            node = tmp_path / str(kept) / "n0"
+            (node / "iter_0000006").mkdir(parents=True)
+            local_piece.mark_complete(str(node), 6, 4)
+            tier = types.SimpleNamespace(leader=True, node_dir=str(node), group=None, restored=6)
+            args = argparse.Namespace(local_ckpt_check_loss=True, local_ckpt_dir=str(node.parent))
+            if kept:
+                loop._check_restored_loss(args, tier, loss)
+            else:
+                with pytest.raises(IntegrityError, match="first loss after restoring local iteration 6 is nan"):
+                    loop._check_restored_loss(args, tier, loss)
+            assert local_piece.complete_iterations(str(node)) == ({6: 4} if kept else {})
+            assert tier.restored is None  # checked once, after the first iteration only
+    finally:
+        dist.destroy_process_group()
