@@ -106,14 +106,21 @@ def assemble(root: str, iteration: int, pieces: dict) -> str:
     tmp = folder.begin(root, iteration)
     tensor_io.in_parallel(lambda n: tensor_io.create_tensor_file(os.path.join(tmp, entries[n].file), layouts[n]),
                           list(entries))
+    by_file = {}
     for saved, (meta, regions) in sorted(decoded.items()):
         for name, region, states in regions:
+            by_file.setdefault(name, []).append((region, states))
+        if meta.get("rng") is not None:
+            rng.save(os.path.join(tmp, "rng"), saved, meta["rng"])
+
+    def write_file(name):
+        for region, states in by_file[name]:
             runs = region_runs(part_shapes[(name, region.part)], region)
             for state, data in states.items():
                 tensor_io.write_runs(os.path.join(tmp, entries[name].file), layouts[name],
                                      file_tensor_name(state, region.part), runs, data)
-        if meta.get("rng") is not None:
-            rng.save(os.path.join(tmp, "rng"), saved, meta["rng"])
+
+    tensor_io.in_parallel(write_file, list(by_file))
     # No block checksums and no fsync: the pieces were checked, the folder lives only for this
     # load (a restart that dies in it assembles it again), and the load does not hash it.
     head["tensors"] = {n: dataclasses.replace(e, file_size=layouts[n].file_size).to_json()
