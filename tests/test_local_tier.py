@@ -65,6 +65,13 @@ def _restart(crashed, tmp_path, hosts, damage=None):
     return ref, ok(result, "restart")
 
 
+def _with(argv, flag, value):
+    """`argv` with `flag`'s value replaced."""
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -125,7 +132,9 @@ def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
     """The persistent save of iteration 4 fails with ENOSPC (every positional write of rank 0
     raises it: a full shared file system, simulated at the write calls; no tmpfs without root
     here): a warning, training goes on, iteration 2 stays intact and the tracker on it, no
-    folder of 4, and 6 saves once space returns. --exit-on-save-failure stops at 4 instead."""
+    folder of 4, and 6 saves once space returns. --exit-on-save-failure stops at 4 instead.
+    Then another model (hidden 64) pointed at that run's local tier starts from scratch after
+    one line, before loading anything."""
     from megatron_ucp.format.manifest import read_manifest
 
     def argv(name, *extra):
@@ -138,6 +147,11 @@ def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
          "env": {"UCP_MAPPED_WRITES": "0"}},
         {"name": "strict", "op": "train", "argv": argv("strict", "--exit-on-save-failure"),
          "disk_full_at": [4], "fatal": False},
+        # another model pointed at the tolerant run's tier (left at iterations 3, 5): one line, from scratch
+        {"name": "other_model", "op": "train", "fatal": False,
+         "argv": _with(BASE, "--hidden-size", "64") + [
+             "--train-iters", "1", "--local-ckpt-dir", str(tmp_path / "tolerant_local"),
+             "--local-save-interval", "100"]},
     ], tmp_path, allow_failure=True)
     r = ok(results, "tolerant")
     assert sorted(int(k) for k in r["losses"]) == list(range(1, 7))
@@ -153,6 +167,11 @@ def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
     assert "error" in strict and "No space left on device" in strict["error"], strict
     assert (tmp_path / "strict" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (tmp_path / "strict" / "iter_0000004").exists()
+    other = ok(results, "other_model")
+    assert list(other["losses"]) == ["1"], other
+    line = [x for x in other["stdout"].splitlines() if "local checkpoint tier: iteration 5" in x]
+    assert len(line) == 1 and "was saved by another model (checkpoint does not fit the model (" in line[0]
+    assert "hidden_size: checkpoint 32, model 64" in line[0] and "training from scratch" in line[0], line
 
 
 def test_piece_checksum_is_over_every_byte(tmp_path):

@@ -23,16 +23,17 @@ import time
 import torch.distributed as dist
 
 from megatron_ucp.engine import local_plan
-from megatron_ucp.engine.collective import run_everywhere
+from megatron_ucp.engine.collective import all_true, run_everywhere
 from megatron_ucp.engine.load import load_universal
-from megatron_ucp.engine.local_tier import exchange_bytes
+from megatron_ucp.engine.local_tier import CPU, exchange_bytes
 from megatron_ucp.engine.planner import part_shapes_of
-from megatron_ucp.errors import IntegrityError
+from megatron_ucp.errors import IntegrityError, LayoutError
 from megatron_ucp.format import folder, local_piece, tensor_io
 from megatron_ucp.format.layout import region_runs
-from megatron_ucp.format.manifest import FORMAT_VERSION
+from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
+from megatron_ucp.mcore.model_map import unwrap
 
 
 def inventory(node_dir: str, host: str) -> list:
@@ -153,6 +154,17 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                    group=tier.group)
     pieces = None  # the bytes are in the folder now
     marks.append(time.perf_counter())
+    misfit = _misfit(root, choice.iteration, state.model, args.vocab_size)
+    if not all_true(misfit is None, group=tier.group, device=CPU):
+        if rank == 0:
+            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
+            print(f" local checkpoint tier: iteration {choice.iteration} was saved by another model "
+                  f"({misfit or 'on another rank'}); falling back to the persistent checkpoint ({target})",
+                  flush=True)
+        dist.barrier(group=tier.group)
+        if tier.leader:
+            shutil.rmtree(root, ignore_errors=True)
+        return None
     result = load_universal(root, state.model, state.optimizer, state.scheduler,
                             vocab_size=args.vocab_size, iteration=choice.iteration,
                             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
@@ -172,6 +184,17 @@ def restore(tier, args, state, newer_than: int, reseed=None):
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
               f"{newer_than if newer_than >= 0 else 'none'}){notes}", flush=True)
     return result
+
+
+def _misfit(root: str, iteration: int, model, vocab_size: int):
+    """Why the assembled checkpoint does not fit this model (a tier left by another run in the
+    same dir), or None; checked before any tensor is loaded, so that the fallback starts clean."""
+    try:
+        m = read_manifest(folder.iteration_dir(root, iteration))
+        check_architecture(m.architecture, architecture(unwrap(model[0]), vocab_size), root)
+    except LayoutError as e:
+        return str(e).split(": ", 1)[-1]
+    return None
 
 
 def set_aside(tier, iteration: int) -> None:
