@@ -42,8 +42,84 @@ def owned_bytes(tensors, manifest) -> int:
 
 
 def train(step):
-    history = loop.pretrain(step["argv"])
-    return {"losses": {str(i): loss for i, loss in history}}
+    """`hosts`: the host name each rank pretends to run on (the local tier's nodes);
+    `disk_full_at`: iterations whose persistent save fails with ENOSPC at every positional
+    write of rank 0 (a full shared file system, simulated at the write calls)."""
+    import errno
+    import socket
+
+    from megatron_ucp import api
+
+    with contextlib.ExitStack() as stack:
+        printed = stack.enter_context(_teeing_stdout()) if os.environ.get("RANK", "0") == "0" else None
+        stack.enter_context(environment(step.get("env", {})))
+        if step.get("kill_after"):
+            _kill_after(stack, step["kill_after"], step.get("wait_for", []))
+        if step.get("hosts"):
+            node = step["hosts"][int(os.environ["RANK"])]
+            stack.callback(setattr, socket, "gethostname", socket.gethostname)
+            socket.gethostname = lambda: node
+        if step.get("disk_full_at"):
+            original = api.save_universal
+            stack.callback(setattr, api, "save_universal", original)
+
+            def full(*a, **k):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def save_universal(save_dir, iteration, *a, **k):
+                if iteration not in step["disk_full_at"] or dist.get_rank() != 0:
+                    return original(save_dir, iteration, *a, **k)
+                saved = os.pwrite, os.pwritev
+                os.pwrite = os.pwritev = full
+                try:
+                    return original(save_dir, iteration, *a, **k)
+                finally:
+                    os.pwrite, os.pwritev = saved
+
+            api.save_universal = save_universal
+        history = loop.pretrain(step["argv"])
+    out = {"losses": {str(i): loss for i, loss in history}}
+    if printed is not None:
+        out["stdout"] = printed.getvalue()
+    return out
+
+
+@contextlib.contextmanager
+def _teeing_stdout():
+    """What this rank prints, kept (and printed as usual)."""
+    import io
+
+    kept, out = io.StringIO(), sys.stdout
+
+    class Tee(io.TextIOBase):
+        def write(self, s):
+            kept.write(s)
+            return out.write(s)
+
+        def flush(self):
+            out.flush()
+
+    with contextlib.redirect_stdout(Tee()):
+        yield kept
+
+
+def _kill_after(stack, iteration: int, wait_for: list) -> None:
+    """SIGKILL this process once `iteration` is logged and the files `wait_for` exist (a local
+    save known complete): the job dies as a node loss kills it, between two iterations."""
+    import signal
+
+    original = loop._log
+    stack.callback(setattr, loop, "_log", original)
+
+    def dying(args, it, *a, **k):
+        original(args, it, *a, **k)
+        if it == iteration:
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(p) for p in wait_for) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    loop._log = dying
 
 
 @contextlib.contextmanager

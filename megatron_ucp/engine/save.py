@@ -102,32 +102,36 @@ def _prepare(save_dir: str, iteration: int) -> str:
     return folder.begin(save_dir, iteration)
 
 
-_PLAN_CACHE = {}  # digest of what this rank offered -> (its plan, entries of the files it creates)
+_PLAN_CACHE = {}  # digest of what this rank offered -> (its plan, entries of the files it creates, merge)
 
 
-def _plan(tensors, states, with_optimizer: bool):
+def _plan(tensors, states, with_optimizer: bool, merge: bool = None):
     """This rank's part of the save plan (planner.plan_save: each tensor planned by its owner).
 
     The plan depends only on the layout, so a job saving again with the same offers on every
     rank reuses it: one integer is reduced to learn that every rank's offers are unchanged.
     Returns (plan, sources, entries, part_shapes, created): entries of the tensors this rank
     holds or creates (every tensor's on rank 0, for the manifest), and the files it creates.
+    `merge` (default: UCP_MERGE_ROWS) merges TP column blocks into whole rows; the local tier
+    plans without merging (each rank keeps what it holds) and keeps its plan beside the save's.
     """
+    merge = _merging_rows() if merge is None else merge
     offers, sources = _offers(tensors, states, with_optimizer)
     entries_here = _tensor_entries(tensors, states)
     world, rank = dist.get_world_size(), dist.get_rank()
-    digest = hashlib.sha256(pickle.dumps((offers, entries_here, _merging_rows(), world))).hexdigest()
+    digest = hashlib.sha256(pickle.dumps((offers, entries_here, merge, world))).hexdigest()
     cached = _PLAN_CACHE.get(digest)
     if all_true(cached is not None):
-        plan, created = cached
+        plan, created, _ = cached
     else:
         plan, created = plan_save(offers, entries_here, rank, world,
                                   exchange_objects,
-                                  lambda e: file_layout(e).file_size, _merging_rows())
+                                  lambda e: file_layout(e).file_size, merge)
         if plan.errors:
             raise IncompleteCheckpointError("save plan does not cover the model: " + "; ".join(plan.errors[:5]))
-        _PLAN_CACHE.clear()  # one layout at a time
-        _PLAN_CACHE[digest] = (plan, created)
+        for old in [k for k, v in _PLAN_CACHE.items() if v[2] == merge]:
+            del _PLAN_CACHE[old]  # one layout at a time (per merge choice)
+        _PLAN_CACHE[digest] = (plan, created, merge)
     entries = {**entries_here, **created, **plan.entries}
     return plan, _with_ends(sources, plan.ends), entries, part_shapes_of(entries), sorted(created)
 

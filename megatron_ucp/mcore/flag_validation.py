@@ -177,6 +177,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
           "--async-save needs --ckpt-format universal")
     _need(not args.elastic or args.ckpt_format == "universal",
           "--elastic needs --ckpt-format universal (torch_dist and torch checkpoints load only on their own layout)")
+    validate_local_tier(args)
     for flag in ("no_save_optim", "no_save_rng"):
         _need(not getattr(args, flag) or args.ckpt_format == "universal",
               f"--{flag.replace('_', '-')} needs --ckpt-format universal")
@@ -204,6 +205,20 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     args.padded_vocab_size = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     return args
+
+
+def validate_local_tier(args) -> None:
+    """The local checkpoint tier's flags (the own loop's; docs/elastic.md)."""
+    local = getattr(args, "local_ckpt_dir", None)
+    interval = getattr(args, "local_save_interval", None)
+    _need(interval is None or local is not None, "--local-save-interval needs --local-ckpt-dir")
+    if local is None:
+        return
+    _need(interval is not None and interval >= 1,
+          f"--local-ckpt-dir needs --local-save-interval >= 1, got {interval}")
+    _need(args.local_ckpt_replicas >= 0, f"--local-ckpt-replicas must be >= 0, got {args.local_ckpt_replicas}")
+    _need(args.ckpt_format == "universal",
+          "--local-ckpt-dir needs --ckpt-format universal (its pieces are universal, so that they reshard)")
 
 
 def validate_attention(args) -> None:

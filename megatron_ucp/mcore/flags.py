@@ -207,6 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit 0 after the iteration that passes this much wall time")
 
+    g = p.add_argument_group("local checkpoint tier (docs/elastic.md)")
+    g.add_argument("--local-ckpt-dir", default=None,
+                   help="node-local dir (/dev/shm or NVMe) for the local tier: each node keeps its "
+                        "ranks' pieces of the universal checkpoint and other nodes' replicas under "
+                        "DIR/<host name>/; a restart resumes from it when it is newer than --load's")
+    g.add_argument("--local-save-interval", type=int, default=None,
+                   help="local tier: save every N iterations (in the background)")
+    g.add_argument("--local-ckpt-replicas", type=int, default=1,
+                   help="local tier: copies of each rank's piece kept on other nodes")
+    g.add_argument("--local-ckpt-check-loss", action="store_true",
+                   help="local tier: a non-finite first loss after a local restore sets that "
+                        "iteration aside and stops, so that the restart resumes from --load")
+    g.add_argument("--exit-on-save-failure", action="store_true",
+                   help="with a local tier, a failed persistent save stops training (default: a "
+                        "warning, and the next interval saves again)")
+
     g = p.add_argument_group("elastic training")
     g.add_argument("--elastic", action="store_true",
                    help="fit the layout to the world size (keep TP/PP where they fit, DP absorbs the "

@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, SaveError
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 from megatron_ucp.mcore import saved_args
 from megatron_ucp.mcore.flag_validation import keeps_saved_padding
@@ -33,16 +33,36 @@ def release_save_folder(args) -> None:
         ownership.release(args.save)
 
 
-def finish_pending_save(state) -> None:
+def finish_pending_save(state, args=None) -> None:
     """Wait for an asynchronous save still in flight (before the next one, and before exit)."""
     if state.pending_save is not None:
         pending, state.pending_save = state.pending_save, None
-        pending.wait()
+        tolerating_save_failure(args, pending.wait)
+
+
+def tolerating_save_failure(args, fn) -> None:
+    """fn(), a persistent save; with a local tier (and without --exit-on-save-failure) its
+    SaveError (raised on every rank, nothing committed, the earlier checkpoints as they were)
+    is a warning: training goes on, the local tier holds its state, the next interval saves
+    again (a full or unreachable shared file system must not kill a healthy job)."""
+    try:
+        fn()
+    except SaveError as e:
+        if args is None or not args.local_ckpt_dir or args.exit_on_save_failure:
+            raise
+        if dist.get_rank() == 0:
+            print(f" warning: persistent save failed, training goes on (the local tier holds its "
+                  f"state; the next --save-interval tries again; --exit-on-save-failure stops "
+                  f"instead): {e}", flush=True)
 
 
 def save(args, state, iteration: int, consumed: int, sync: bool = False) -> None:
     """Save as the flags say; `sync` saves synchronously even with --async-save (an exit)."""
-    finish_pending_save(state)
+    finish_pending_save(state, args)
+    tolerating_save_failure(args, lambda: _save(args, state, iteration, consumed, sync))
+
+
+def _save(args, state, iteration: int, consumed: int, sync: bool) -> None:
     background = args.async_save and not sync
     start = time.perf_counter()
     if args.ckpt_format in ("torch_dist", "torch"):
@@ -71,6 +91,39 @@ def save(args, state, iteration: int, consumed: int, sync: bool = False) -> None
         verb = "started background save" if background else "saved checkpoint"
         print(f" {verb} at iteration {iteration:8d} to {args.save} ({args.ckpt_format}) "
               f"in {time.perf_counter() - start:.2f} s", flush=True)
+
+
+def open_local_tier(args, state):
+    """The local tier of --local-ckpt-dir (collective), or None without the flag."""
+    if not args.local_ckpt_dir:
+        return None
+    from megatron_ucp.engine.local_tier import open_tier
+
+    return open_tier(args, state)
+
+
+def restore_local(args, state, tier, reseed=None):
+    """(iteration, consumed) restored from the local tier when it holds a sound iteration newer
+    than --load's checkpoint; None (after one line saying why, when it held something) when
+    the persistent tier must serve. Collective."""
+    if tier is None or args.finetune:
+        return None
+    from megatron_ucp.engine import local_restore
+    from megatron_ucp.engine.collective import on_rank_zero
+
+    persistent = on_rank_zero(_persistent_iteration, args)
+    result = local_restore.restore(tier, args, state, persistent, reseed)
+    if result is None:
+        return None
+    state.progress = dict(result.manifest.progress or {})
+    return result.iteration, result.consumed_samples
+
+
+def _persistent_iteration(args) -> int:
+    """The iteration --load resumes (-1: none)."""
+    if not args.load:
+        return -1
+    return _load_target(args)[0]
 
 
 def _load_target(args):

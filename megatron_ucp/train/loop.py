@@ -184,6 +184,16 @@ def _timed_save(args, state, iteration, consumed, monitor, sync=False) -> None:
     monitor.scalars(iteration, {"save-checkpoint-seconds": time.perf_counter() - start})
 
 
+def _timed_local_save(args, state, tier, iteration, consumed, monitor) -> None:
+    """A local-tier save: training waits for the in-memory copy only (the stall measured)."""
+    start = time.perf_counter()
+    tier.save(args, state, iteration, consumed)
+    stall = time.perf_counter() - start
+    monitor.scalars(iteration, {"local-save-stall-seconds": stall})
+    if dist.get_rank() == 0:
+        print(f" local save at iteration {iteration:8d} started ({stall:.3f} s stall)", flush=True)
+
+
 def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm, extra=None) -> None:
     if dist.get_rank() != 0:
         return
@@ -237,7 +247,7 @@ def session(argv=None):
             yield args, state
         finally:
             if state is not None:
-                checkpointing.finish_pending_save(state)
+                checkpointing.finish_pending_save(state, args)
             parallel_state.destroy_model_parallel()
             destroy_num_microbatches_calculator()
 
@@ -280,11 +290,36 @@ def pretrain(argv=None) -> list:
         return train(args, state)
 
 
-def resume(args, state):
-    """Load `--load` if given; returns (iteration, consumed_samples)."""
+def resume(args, state, tier=None):
+    """Restore the local tier's newest sound iteration when it is newer than `--load`'s, else
+    load `--load` if given; returns (iteration, consumed_samples)."""
+    reseed = lambda it: set_seeds(args.seed + it)  # noqa: E731
+    restored = checkpointing.restore_local(args, state, tier, reseed)
+    if restored is not None:
+        return restored
     if not args.load:
         return 0, 0
-    return checkpointing.load(args, state, reseed=lambda it: set_seeds(args.seed + it))
+    return checkpointing.load(args, state, reseed=reseed)
+
+
+def _check_restored_loss(args, tier, loss: float) -> None:
+    """--local-ckpt-check-loss: a non-finite first loss after a local restore sets the local
+    iteration aside (on every node) and stops, so that the restart takes the persistent tier
+    instead of restoring the same state again."""
+    import math
+
+    from megatron_ucp.engine import local_restore
+    from megatron_ucp.errors import IntegrityError
+
+    if tier is None or tier.restored is None or not args.local_ckpt_check_loss:
+        return
+    restored, tier.restored = tier.restored, None
+    if math.isfinite(loss):
+        return
+    local_restore.set_aside(tier, restored)
+    raise IntegrityError(f"--local-ckpt-check-loss: the first loss after restoring local iteration {restored} "
+                         f"is {loss}: that iteration is set aside in {args.local_ckpt_dir}; restart "
+                         "to resume from the persistent checkpoint")
 
 
 def _count(args, record: dict, update_successful) -> None:
@@ -300,10 +335,14 @@ def train(args, state) -> list:
         checkpointing.claim_save_folder(args)
     monitor = Monitor(args)
     dataset, valid = build_datasets(args)
+    tier = checkpointing.open_local_tier(args, state)
     start = time.perf_counter()
-    iteration, consumed = resume(args, state)
-    if args.load:
-        monitor.scalars(iteration, {"load-checkpoint-seconds": time.perf_counter() - start})
+    iteration, consumed = resume(args, state, tier)
+    if args.load or tier is not None:
+        seconds = time.perf_counter() - start
+        monitor.scalars(iteration, {"load-checkpoint-seconds": seconds})
+        if iteration and dist.get_rank() == 0:
+            print(f" resumed iteration {iteration} in {seconds:.2f} s", flush=True)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     history = []
@@ -324,10 +363,13 @@ def train(args, state) -> list:
         monitor.scalars(iteration, {"lm loss": loss, "learning-rate": lr,
                                     "grad-norm": float(grad_norm or 0.0), **mtp})
         history.append((iteration, loss))
+        _check_restored_loss(args, tier, loss)
         if args.eval_interval and iteration % args.eval_interval == 0:
             monitor.validation(iteration, evaluate(args, state, valid, iteration))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             _timed_save(args, state, iteration, consumed, monitor)
+        elif tier is not None and iteration % args.local_save_interval == 0:
+            _timed_local_save(args, state, tier, iteration, consumed, monitor)
         stop = stopper.should_stop()
     if stop is not None and dist.get_rank() == 0:
         print(f" {stop}: exiting after iteration {iteration}"
@@ -336,7 +378,9 @@ def train(args, state) -> list:
         monitor.validation(iteration, evaluate(args, state, valid, iteration), final=True)
     if args.save and (not args.save_interval or iteration % args.save_interval != 0) and history:
         _timed_save(args, state, iteration, consumed, monitor, sync=stop is not None)
-    checkpointing.finish_pending_save(state)
+    checkpointing.finish_pending_save(state, args)
+    if tier is not None:
+        tier.wait()
     if args.save:
         checkpointing.release_save_folder(args)
     monitor.close()

@@ -1,0 +1,164 @@
+"""The local tier's decisions, as pure functions of host names and inventories (no I/O, no
+torch.distributed): where each rank's replicas go, which iteration a restart restores and from
+which copies, and which piece travels to which node.
+
+Nodes are host names (`socket.gethostname()`), the ranks of one node the ranks that share it.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+def nodes_of(hosts: Sequence[str]) -> Dict[str, List[int]]:
+    """Host name -> its ranks, in rank order; the hosts in the order of their first rank."""
+    out: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
+        out.setdefault(host, []).append(rank)
+    return out
+
+
+def leaders(hosts: Sequence[str]) -> Dict[str, int]:
+    """Host name -> the rank that speaks for its node (the node's first rank)."""
+    return {host: ranks[0] for host, ranks in nodes_of(hosts).items()}
+
+
+def replica_targets(hosts: Sequence[str], replicas: int) -> Dict[int, List[int]]:
+    """Rank -> the ranks that keep its replicas: one on each of the next `replicas` nodes (in
+    the order of the nodes' first ranks, wrapping round), never its own node; on a node, the
+    rank of the same local index modulo that node's size, so that replicas spread over a
+    node's ranks. Fewer other nodes than `replicas`: as many replicas as there are others."""
+    if replicas < 0:
+        raise ValueError(f"replicas {replicas}: expected >= 0")
+    nodes = list(nodes_of(hosts).items())
+    position = {host: i for i, (host, _) in enumerate(nodes)}
+    out = {}
+    for rank, host in enumerate(hosts):
+        mine = position[host]
+        local = nodes[mine][1].index(rank)
+        targets = []
+        for step in range(1, min(replicas, len(nodes) - 1) + 1):
+            ranks = nodes[(mine + step) % len(nodes)][1]
+            targets.append(ranks[local % len(ranks)])
+        out[rank] = targets
+    return out
+
+
+def replica_sources(targets: Dict[int, List[int]], rank: int) -> List[int]:
+    """The ranks whose replicas `rank` keeps."""
+    return sorted(r for r, ts in targets.items() if rank in ts)
+
+
+def node_share(hosts: Sequence[str], sizes: Sequence[int], replicas: int, host: str) -> Tuple[int, int]:
+    """(bytes of node `host`'s own ranks' pieces, bytes of the replicas it keeps) of one local
+    iteration, `sizes[rank]` being each rank's piece."""
+    targets = replica_targets(hosts, replicas)
+    ranks = nodes_of(hosts)[host]
+    return (sum(sizes[r] for r in ranks),
+            sum(sizes[s] for r in ranks for s in replica_sources(targets, r)))
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of saving rank `rank`'s piece of an iteration, as a node's inventory found it."""
+
+    host: str
+    rank: int
+    nbytes: int
+    bad: Optional[str] = None  # why the copy cannot be used (checksum, size, unreadable); None: sound
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """What one node holds of one local iteration (its COMPLETE marker says `world` ranks saved)."""
+
+    iteration: int
+    world: int
+    copies: Tuple[Copy, ...] = ()
+
+
+@dataclass
+class Choice:
+    """The restart's decision: `iteration` (None: nothing usable in the local tier), where each
+    saving rank's piece is read (`holders[rank]`: hosts holding a sound copy), and `notes`, what
+    was missing or bad on the way (for one line)."""
+
+    iteration: Optional[int]
+    world: int = 0
+    holders: Dict[int, List[str]] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+
+def choose(inventories: Sequence[Sequence[Iteration]], newer_than: int) -> Choice:
+    """The newest iteration newer than `newer_than` (the persistent tier's) of which every
+    saving rank's piece has a sound copy on some node of `inventories` (one list per surviving
+    node). Iterations passed over, and bad copies, are named in `notes`."""
+    by_iteration: Dict[int, List[Iteration]] = {}
+    for node in inventories:
+        for it in node:
+            by_iteration.setdefault(it.iteration, []).append(it)
+    notes: List[str] = []
+    for iteration in sorted(by_iteration, reverse=True):
+        if iteration <= newer_than:
+            notes.append(f"local iteration {iteration} is not newer than the persistent checkpoint's "
+                         f"{newer_than}")
+            break
+        found = by_iteration[iteration]
+        worlds = {it.world for it in found}
+        if len(worlds) != 1:
+            notes.append(f"local iteration {iteration}: nodes disagree on its world size {sorted(worlds)}")
+            continue
+        world = worlds.pop()
+        holders: Dict[int, List[str]] = {r: [] for r in range(world)}
+        bad = []
+        for it in found:
+            for c in it.copies:
+                if c.rank not in holders:
+                    bad.append(f"{c.host}: rank {c.rank}'s piece (rank outside world {world})")
+                elif c.bad is None:
+                    holders[c.rank].append(c.host)
+                else:
+                    bad.append(f"{c.host}: rank {c.rank}'s piece {c.bad}")
+        missing = [r for r, hs in holders.items() if not hs]
+        if bad:
+            notes.append(f"local iteration {iteration}: bad copies: " + "; ".join(bad))
+        if missing:
+            notes.append(f"local iteration {iteration}: no sound copy of the pieces of ranks "
+                         f"{_ranges(missing)}")
+            continue
+        return Choice(iteration, world, {r: sorted(set(hs)) for r, hs in holders.items()}, notes)
+    return Choice(None, notes=notes)
+
+
+def mark_bad(inventories: Sequence[Sequence[Iteration]], bad: Sequence[Tuple[str, int, int, str]]) -> list:
+    """`inventories` with the copies `bad` names ((host, iteration, rank, why)) marked bad: what
+    a read of them found, for the next `choose`."""
+    why = {(h, it, r): w for h, it, r, w in bad}
+    return [[Iteration(it.iteration, it.world,
+                       tuple(Copy(c.host, c.rank, c.nbytes, why.get((c.host, it.iteration, c.rank), c.bad))
+                             for c in it.copies)) for it in node] for node in inventories]
+
+
+def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]]:
+    """(sender rank, receiver rank, saving rank) for every piece a node lacks: each node's
+    leader needs every piece; a piece it does not hold comes from the leader of the first node
+    (in host-name order) that holds a sound copy."""
+    lead = leaders(hosts)
+    out = []
+    for host, receiver in lead.items():
+        for rank, holding in sorted(choice.holders.items()):
+            if host not in holding:
+                sender = lead[sorted(h for h in holding if h in lead)[0]]
+                out.append((sender, receiver, rank))
+    return out
+
+
+def _ranges(ranks: List[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)

@@ -1,0 +1,207 @@
+"""A restart from the local tier, on any world size and layout.
+
+1. Each surviving node's leader takes the inventory of its dir: complete iterations and the
+   pieces (originals and replicas) their sidecars list.
+2. All ranks agree (local_plan.choose) on the newest iteration newer than the persistent
+   checkpoint of which every saving rank's piece has a copy on some surviving node; the
+   leaders read that iteration's pieces, each once, checked against its CRC-32, and a bad
+   copy makes them choose again without it (the next copy, the next iteration).
+3. Each node's leader receives the pieces its node lacks from a node that holds them, then
+   writes them all into a universal checkpoint folder under its dir (the save's own file
+   layout; no block checksums: the folder lives for this load only).
+4. Every rank loads that folder universally: it reads just its slices, resharded. The load
+   does not hash again: every byte was checked against its piece's CRC-32 in step 1, and the
+   folder was written by this restart a moment before.
+Anything missing or bad is one line, and the caller falls back to the persistent tier.
+"""
+
+import dataclasses
+import os
+import shutil
+import time
+
+import torch.distributed as dist
+
+from megatron_ucp.engine import local_plan
+from megatron_ucp.engine.collective import all_true, run_everywhere
+from megatron_ucp.engine.load import load_universal
+from megatron_ucp.engine.local_tier import CPU, exchange_bytes
+from megatron_ucp.engine.planner import part_shapes_of
+from megatron_ucp.errors import IntegrityError, LayoutError
+from megatron_ucp.format import folder, local_piece, tensor_io
+from megatron_ucp.format.layout import region_runs
+from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
+from megatron_ucp.format.tensor_entry import TensorEntry, file_layout, file_tensor_name
+from megatron_ucp.mcore import rng
+from megatron_ucp.mcore.model_map import unwrap
+
+
+def inventory(node_dir: str, host: str) -> list:
+    """What this node holds of the local tier (local_plan.Iteration), as the sidecars say; the
+    pieces are checked when the chosen iteration's are read."""
+    out = []
+    for iteration, world in sorted(local_piece.complete_iterations(node_dir).items()):
+        copies = tuple(local_plan.Copy(host, rank, *local_piece.listed_size(node_dir, iteration, rank))
+                       for rank in local_piece.held_ranks(node_dir, iteration))
+        out.append(local_plan.Iteration(iteration, world, copies))
+    return out
+
+
+def _read_held(tier, choice):
+    """Leaders: ({saving rank: bytes} of the sound copies of the chosen iteration on this node,
+    [(host, iteration, rank, why)] of the bad ones), each piece read once and checked against
+    its CRC-32; other ranks: ({}, [])."""
+    held, bad = {}, []
+    if not tier.leader:
+        return held, bad
+    for rank, holding in choice.holders.items():
+        if tier.host in holding:
+            try:
+                held[rank] = local_piece.read_piece(tier.node_dir, choice.iteration, rank)
+            except IntegrityError as e:
+                bad.append((tier.host, choice.iteration, rank, str(e)))
+    return held, bad
+
+
+def _choose(tier, found: list, newer_than: int):
+    """(choice, pieces this node holds of it): choose, read the chosen iteration's copies, and
+    choose again with the copies found bad until every piece read is sound."""
+    while True:
+        choice = local_plan.choose(found, newer_than)
+        if choice.iteration is None:
+            return choice, {}
+        held, bad = run_everywhere(_read_held, tier, choice, group=tier.group)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bad, group=tier.group)
+        bad = [b for rank_bad in everyone for b in rank_bad]
+        if not bad:
+            return choice, held
+        found = local_plan.mark_bad(found, bad)
+
+
+def _gather_pieces(tier, choice, held: dict) -> dict:
+    """Leaders: {saving rank: bytes} of every piece of the chosen iteration: `held` (read here)
+    and the others received from the node that holds them; other ranks: {}."""
+    rank = dist.get_rank()
+    moves = local_plan.transfers(choice, tier.hosts)
+    sends = [(receiver, held[saved]) for sender, receiver, saved in moves if sender == rank]
+    receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
+    received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
+    if not tier.leader:
+        return {}
+    return {**held, **{saved: received[i] for i, (_, saved) in enumerate(receiving)}}
+
+
+def assemble(root: str, iteration: int, pieces: dict) -> str:
+    """Write `pieces` ({saving rank: bytes}) as the universal checkpoint of `iteration` under
+    `root`: files at full size, every region written where it belongs, the manifest from rank
+    0's piece, commit. Returns the folder."""
+    decoded = {r: local_piece.decode(data, local_piece.piece_path("<received>", iteration, r))
+               for r, data in pieces.items()}
+    head = dict(decoded[0][0]["head"])
+    where = f"rank 0's local piece of iteration {iteration}"
+    entries = {n: TensorEntry.from_json(n, e, where, FORMAT_VERSION) for n, e in head["tensors"].items()}
+    layouts = {n: file_layout(e) for n, e in entries.items()}
+    part_shapes = part_shapes_of(entries)
+    shutil.rmtree(root, ignore_errors=True)
+    tmp = folder.begin(root, iteration)
+    tensor_io.in_parallel(lambda n: tensor_io.create_tensor_file(os.path.join(tmp, entries[n].file), layouts[n]),
+                          list(entries))
+    by_file = {}
+    for saved, (meta, regions) in sorted(decoded.items()):
+        for name, region, states in regions:
+            by_file.setdefault(name, []).append((region, states))
+        if meta.get("rng") is not None:
+            rng.save(os.path.join(tmp, "rng"), saved, meta["rng"])
+
+    def write_file(name):
+        for region, states in by_file[name]:
+            runs = region_runs(part_shapes[(name, region.part)], region)
+            for state, data in states.items():
+                tensor_io.write_runs(os.path.join(tmp, entries[name].file), layouts[name],
+                                     file_tensor_name(state, region.part), runs, data)
+
+    tensor_io.in_parallel(write_file, list(by_file))
+    # No block checksums and no fsync: the pieces were checked, the folder lives only for this
+    # load (a restart that dies in it assembles it again), and the load does not hash it.
+    head["tensors"] = {n: dataclasses.replace(e, file_size=layouts[n].file_size).to_json()
+                       for n, e in entries.items()}
+    return folder.commit(root, tmp, iteration, head)
+
+
+def restore(tier, args, state, newer_than: int, reseed=None):
+    """Restore the newest usable local iteration newer than `newer_than`; returns the engine's
+    LoadResult, or None (after one line saying why) when the persistent tier must serve."""
+    start = time.perf_counter()
+    rank = dist.get_rank()
+    mine = run_everywhere(lambda: inventory(tier.node_dir, tier.host) if tier.leader else None,
+                          group=tier.group)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine, group=tier.group)
+    choice, held = _choose(tier, [f for f in found if f is not None], newer_than)
+    if choice.iteration is None:
+        if rank == 0 and choice.notes:
+            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
+            print(" local checkpoint tier: " + "; ".join(choice.notes)
+                  + f"; falling back to the persistent checkpoint ({target})", flush=True)
+        return None
+    marks = [time.perf_counter()]
+    pieces = run_everywhere(_gather_pieces, tier, choice, held, group=tier.group)
+    held = None
+    marks.append(time.perf_counter())
+    root = os.path.join(tier.node_dir, local_piece.RESTORE)
+    run_everywhere(lambda: assemble(root, choice.iteration, pieces) if tier.leader else None,
+                   group=tier.group)
+    pieces = None  # the bytes are in the folder now
+    marks.append(time.perf_counter())
+    misfit = _misfit(root, choice.iteration, state.model, args.vocab_size)
+    if not all_true(misfit is None, group=tier.group, device=CPU):
+        if rank == 0:
+            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
+            print(f" local checkpoint tier: iteration {choice.iteration} was saved by another model "
+                  f"({misfit or 'on another rank'}); falling back to the persistent checkpoint ({target})",
+                  flush=True)
+        dist.barrier(group=tier.group)
+        if tier.leader:
+            shutil.rmtree(root, ignore_errors=True)
+        return None
+    result = load_universal(root, state.model, state.optimizer, state.scheduler,
+                            vocab_size=args.vocab_size, iteration=choice.iteration,
+                            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                            load_scheduler=not args.no_load_scheduler, strict=not args.no_strict_load,
+                            verify=False, reseed=reseed,
+                            read_policy=args.ckpt_read_policy)
+    dist.barrier(group=tier.group)
+    if tier.leader:
+        shutil.rmtree(root, ignore_errors=True)
+    tier.restored = choice.iteration
+    if rank == 0:
+        nodes = sorted({h for hs in choice.holders.values() for h in hs})
+        notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
+        spans = (f"inventory {marks[0] - start:.2f}, pieces {marks[1] - marks[0]:.2f}, assembly "
+                 f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
+        print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
+              f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
+              f"{newer_than if newer_than >= 0 else 'none'}){notes}", flush=True)
+    return result
+
+
+def _misfit(root: str, iteration: int, model, vocab_size: int):
+    """Why the assembled checkpoint does not fit this model (a tier left by another run in the
+    same dir), or None; checked before any tensor is loaded, so that the fallback starts clean."""
+    try:
+        m = read_manifest(folder.iteration_dir(root, iteration))
+        check_architecture(m.architecture, architecture(unwrap(model[0]), vocab_size), root)
+    except LayoutError as e:
+        return str(e).split(": ", 1)[-1]
+    return None
+
+
+def set_aside(tier, iteration: int) -> None:
+    """Collective: the leaders remove `iteration`'s COMPLETE marker, so that no restart takes
+    it again (--local-ckpt-check-loss found it bad)."""
+    if tier.leader:
+        marker = os.path.join(folder.iteration_dir(tier.node_dir, iteration), local_piece.COMPLETE)
+        if os.path.exists(marker):
+            os.remove(marker)
+    dist.barrier(group=tier.group)

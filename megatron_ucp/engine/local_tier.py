@@ -1,0 +1,204 @@
+"""The local checkpoint tier: every N iterations each rank writes its piece of the universal
+checkpoint (the regions it owns, format/local_piece.py) to its node's local dir, in the
+background, and sends replicas to ranks on other nodes over a gloo group of the job, which
+write them to theirs. Training waits only for the in-memory copy. Restores are
+local_restore.py's.
+
+Why a piece and not the atomic files: a node-local dir sees only its own ranks' writes, so
+each node keeps whole pieces that any node can read back or send, and a restart assembles
+them into a universal folder that loads on any layout (docs/elastic.md, "The local tier").
+"""
+
+import os
+import shutil
+import socket
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from megatron_ucp.engine import local_plan
+from megatron_ucp.engine.collective import all_true, run_everywhere
+from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot
+from megatron_ucp.errors import ConfigError
+from megatron_ucp.format import local_piece
+from megatron_ucp.format.tensor_entry import STATES
+from megatron_ucp.mcore import rng
+from megatron_ucp.mcore.model_map import local_tensors
+
+KEPT = 2  # complete local iterations kept per node
+CPU = torch.device("cpu")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def exchange_bytes(sends, receives, group) -> dict:
+    """Point-to-point transfers of byte strings: `sends` [(peer, bytes)], `receives` [peer]
+    (each as often as that peer sends here, in the same order on both sides); returns
+    {index in `receives`: bytes}. Sizes travel first, then the bytes."""
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in receives]
+    ops = [dist.P2POp(dist.isend, torch.tensor([len(b)], dtype=torch.int64), p, group) for p, b in sends]
+    ops += [dist.P2POp(dist.irecv, s, p, group) for p, s in zip(receives, sizes)]
+    _run(ops)
+    bufs = [torch.empty(int(s.item()), dtype=torch.uint8) for s in sizes]
+    ops = [dist.P2POp(dist.isend, torch.frombuffer(bytearray(b), dtype=torch.uint8), p, group)
+           for p, b in sends if b]
+    ops += [dist.P2POp(dist.irecv, buf, p, group) for p, buf in zip(receives, bufs) if buf.numel()]
+    _run(ops)
+    return {i: buf.numpy().tobytes() for i, buf in enumerate(bufs)}
+
+
+def _run(ops) -> None:
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
+class LocalTier:
+    """One job's local tier: its node dir, the hosts of its ranks, its own gloo group (saves
+    run in a background thread beside training's collectives) and the save in flight."""
+
+    def __init__(self, root: str, replicas: int, hosts, group):
+        self.root, self.replicas, self.hosts, self.group = root, replicas, list(hosts), group
+        self.host = socket.gethostname()
+        self.node_dir = os.path.join(root, self.host)
+        self.targets = local_plan.replica_targets(self.hosts, replicas)
+        self.leader = local_plan.leaders(self.hosts)[self.host] == dist.get_rank()
+        self.pending = None
+        self.restored = None  # the local iteration this run restored (for --local-ckpt-check-loss)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, args, state, iteration: int, consumed: int) -> None:
+        """Copy this rank's piece into memory now; write it and its replicas in the background."""
+        self.wait()
+        optimizer = None if args.no_save_optim else state.optimizer
+        states = STATES if optimizer is not None else ("param",)
+        tensors = local_tensors(state.model, optimizer, args.vocab_size)
+        plan, sources, entries, _, _ = _plan(tensors, states, optimizer is not None, merge=False)
+        snapshot = _snapshot(plan.items, sources, states, copy=True)
+        rank = dist.get_rank()
+        meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(),
+                "rng": None if args.no_save_rng else rng.capture()}
+        if rank == 0:
+            meta["head"] = _manifest_head(iteration, entries, state.model, optimizer,
+                                          None if optimizer is None else state.scheduler, args.vocab_size,
+                                          consumed, vars(args), not args.no_save_rng,
+                                          dict(state.progress)).to_json()
+        items = [(i.name, i.region) for i in plan.items]
+        arrays = [snapshot[i.key] for i in plan.items]
+        self.pending = _Background(lambda: self._write(iteration, items, arrays, meta))
+
+    def _write(self, iteration, items, arrays, meta) -> bool:
+        """Background: the piece to this node's dir, replicas to and from other nodes, then the
+        node's COMPLETE marker once every rank wrote everything. Returns whether it did."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        data = local_piece.encode(items, arrays, meta)
+        error = _attempt(local_piece.write_piece, self.node_dir, iteration, rank, data)
+        sources = local_plan.replica_sources(self.targets, rank)
+        received = exchange_bytes([(t, data) for t in self.targets[rank]], sources, self.group)
+        for i, source in enumerate(sources):
+            failed = _attempt(local_piece.write_piece, self.node_dir, iteration, source, received[i])
+            error = error or failed
+        if error:
+            print(f" warning: local checkpoint of iteration {iteration} on {self.host}: {error}",
+                  file=sys.stderr, flush=True)
+        complete = all_true(error is None, group=self.group, device=CPU)
+        if complete and self.leader:
+            local_piece.mark_complete(self.node_dir, iteration, world)
+            local_piece.prune(self.node_dir, KEPT)
+        dist.barrier(group=self.group)  # the markers are down before the save counts as done
+        return complete
+
+    def wait(self) -> None:
+        """Wait for the local save in flight (before the next one, a restore check, and exit)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+
+
+def _attempt(fn, *args):
+    """None when fn(*args) worked, else what went wrong (a full or failed local disk is a
+    warning: the persistent tier still holds the job's checkpoints)."""
+    try:
+        fn(*args)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _Background:
+    def __init__(self, fn):
+        self.error = None
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # handed to the training thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="ucp-local-save", daemon=False)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def open_tier(args, state) -> LocalTier:
+    """Collective: the tier of `--local-ckpt-dir`, after a check that every node's dir has
+    room for it (its ranks' pieces and the replicas it keeps, for KEPT + 1 iterations: the kept
+    ones and the one being written), refused with the numbers otherwise."""
+    group = dist.new_group(backend="gloo")
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    tier = LocalTier(args.local_ckpt_dir, args.local_ckpt_replicas, hosts, group)
+    optimizer = None if args.no_save_optim else state.optimizer
+    states = STATES if optimizer is not None else ("param",)
+    plan = _plan(local_tensors(state.model, optimizer, args.vocab_size), states, optimizer is not None,
+                 merge=False)[0]
+    mine = 4 * len(states) * sum(i.region.numel for i in plan.items)
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, mine)
+    run_everywhere(_check_space, tier, sizes)
+    if dist.get_rank() == 0:
+        print(f" local checkpoint tier: {args.local_ckpt_dir}/<host>/ every {args.local_save_interval} "
+              f"iterations, {args.local_ckpt_replicas} replica(s) on other nodes; "
+              f"{_gib(sum(sizes))} per copy of the job's state", flush=True)
+        if len(set(hosts)) == 1 and args.local_ckpt_replicas:
+            print(" local checkpoint tier: warning: all ranks on one node: no replicas (a node "
+                  "loss loses the tier)", flush=True)
+    return tier
+
+
+def _check_space(tier: LocalTier, sizes) -> None:
+    if not tier.leader:
+        return
+    os.makedirs(tier.node_dir, exist_ok=True)
+    ranks = local_plan.nodes_of(tier.hosts)[tier.host]
+    originals, replicas = local_plan.node_share(tier.hosts, sizes, tier.replicas, tier.host)
+    need = (KEPT + 1) * (originals + replicas)
+    held = _tree_bytes(tier.node_dir)  # the tier's own files: reused, pruned as it goes
+    free = shutil.disk_usage(tier.node_dir).free
+    if need > free + held:
+        raise ConfigError(
+            f"--local-ckpt-dir {tier.node_dir}: the local tier needs {_gib(need)} on {tier.host} "
+            f"({KEPT + 1} iterations x ({_gib(originals)} of its {len(ranks)} ranks' pieces + "
+            f"{_gib(replicas)} of replicas)) but {_gib(free)} are free (+ {_gib(held)} it holds "
+            "already); free space, lower --local-ckpt-replicas, or point it elsewhere")
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for base, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(base, f))
+            except OSError:
+                continue
+    return total
+

@@ -1,0 +1,156 @@
+"""The local tier's files: one rank's piece of a universal checkpoint on a node's local dir.
+
+    DIR/<host>/iter_0000006/rank_00002.safetensors   # the regions rank 2 owns, every state
+    DIR/<host>/iter_0000006/rank_00002.json          # its size and CRC-32, written after it
+    DIR/<host>/iter_0000006/COMPLETE                 # every rank's piece and replicas written
+
+A piece is a valid safetensors file (fp32 tensors "<item>.<state>", no pickle) whose metadata
+holds its regions (atomic tensor, part, box, flat range), the saving rank's RNG state and, on
+rank 0's, the manifest head: what a universal save would have written, so that pieces of any
+layout assemble into a universal checkpoint folder that reshards on load. A node keeps its own
+ranks' pieces (originals) and other nodes' replicas under the same names.
+"""
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from safetensors.numpy import save as st_save
+
+from megatron_ucp.errors import FormatError, IntegrityError
+from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
+from megatron_ucp.format.folder import iteration_dir, iteration_of
+from megatron_ucp.format.layout import Region
+
+COMPLETE = "COMPLETE"
+RESTORE = "restore"  # a node's assembled universal checkpoint, while a restart loads it
+MAX_HEADER_BYTES = 256 * 2**20
+
+
+def piece_path(node_dir: str, iteration: int, rank: int) -> str:
+    return os.path.join(iteration_dir(node_dir, iteration), f"rank_{rank:05d}.safetensors")
+
+
+def encode(items: List[Tuple[str, Region]], arrays: List[Dict[str, np.ndarray]], meta: dict) -> bytes:
+    """A piece's bytes: `arrays[i]` (state -> 1-D fp32) are region `items[i]`'s data."""
+    tensors = {f"{i}.{state}": np.ascontiguousarray(a, dtype=np.float32)
+               for i, states in enumerate(arrays) for state, a in states.items()}
+    regions = [[name, r.part, list(r.offset), list(r.shape), r.start, r.stop] for name, r in items]
+    return st_save(tensors, metadata={"ucp_local": json.dumps(dict(meta, regions=regions))})
+
+
+def decode(data: bytes, path: str):
+    """(meta, [(name, Region, {state: array})]) of a piece's bytes; FormatError names `path`."""
+    from safetensors.numpy import load
+
+    if len(data) < 8:
+        raise FormatError(f"{path}: {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise FormatError(f"{path}: header length {n} does not fit the file of {len(data)} bytes")
+    try:
+        header = json.loads(data[8:8 + n])
+        meta = json.loads(header["__metadata__"]["ucp_local"])
+        tensors = load(data)
+        out = []
+        for i, (name, part, offset, shape, start, stop) in enumerate(meta.pop("regions")):
+            region = Region(part, tuple(offset), tuple(shape), int(start), int(stop))
+            states = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+            out.append((name, region, states))
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: not a local-tier piece ({type(e).__name__}: {e})") from None
+    return meta, out
+
+
+def write_piece(node_dir: str, iteration: int, rank: int, data: bytes) -> None:
+    """The piece, then its sidecar (size, CRC-32): a piece without a sidecar does not count."""
+    path = piece_path(node_dir, iteration, rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_bytes(path, data)
+    atomic_write_json(path[: -len(".safetensors")] + ".json",
+                      {"rank": rank, "iteration": iteration, "bytes": len(data), "crc32": zlib.crc32(data)})
+
+
+def read_piece(node_dir: str, iteration: int, rank: int) -> bytes:
+    """A piece's bytes, checked against its sidecar: IntegrityError naming the file otherwise."""
+    path = piece_path(node_dir, iteration, rank)
+    side = path[: -len(".safetensors")] + ".json"
+    try:
+        with open(side) as f:
+            record = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
+    except (OSError, ValueError) as e:
+        raise IntegrityError(f"{path}: unreadable ({e})") from None
+    if not isinstance(record, dict) or len(data) != record.get("bytes"):
+        raise IntegrityError(f"{path}: {len(data)} bytes, its sidecar says {record.get('bytes')}")
+    if zlib.crc32(data) != record.get("crc32"):
+        raise IntegrityError(f"{path}: CRC-32 {zlib.crc32(data):08x} differs from the saved "
+                             f"{record.get('crc32', 0):08x}")
+    return data
+
+
+def mark_complete(node_dir: str, iteration: int, world: int) -> None:
+    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), {"world": world})
+    fsync_dir(node_dir)
+
+
+def complete_iterations(node_dir: str) -> Dict[int, int]:
+    """Iteration -> saving world size, of the iterations this node marked complete."""
+    out = {}
+    if not os.path.isdir(node_dir):
+        return out
+    for name in os.listdir(node_dir):
+        it = iteration_of(name)
+        marker = os.path.join(node_dir, name, COMPLETE)
+        if it is None or not os.path.isfile(marker):
+            continue
+        try:
+            with open(marker) as f:
+                world = json.load(f)["world"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(world, int) and world > 0:
+            out[it] = world
+    return out
+
+
+def held_ranks(node_dir: str, iteration: int) -> List[int]:
+    """The saving ranks whose pieces (with a sidecar) this node holds of `iteration`."""
+    folder = iteration_dir(node_dir, iteration)
+    out = []
+    for name in os.listdir(folder):
+        if name.startswith("rank_") and name.endswith(".json"):
+            try:
+                out.append(int(name[len("rank_"):-len(".json")]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def listed_size(node_dir: str, iteration: int, rank: int) -> Tuple[int, Optional[str]]:
+    """(bytes, None) as a piece's sidecar records them, or (0, why) when the sidecar is bad;
+    the piece itself is checked when it is read (read_piece)."""
+    path = piece_path(node_dir, iteration, rank)
+    try:
+        with open(path[: -len(".safetensors")] + ".json") as f:
+            record = json.load(f)
+        return int(record["bytes"]), None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return 0, f"{path}: sidecar unreadable ({e})"
+
+
+def prune(node_dir: str, keep: int = 2) -> None:
+    """Keep the newest `keep` complete iterations; remove older ones and dead partial saves."""
+    complete = sorted(complete_iterations(node_dir))
+    if not complete:
+        return
+    kept = set(complete[-keep:])
+    for name in os.listdir(node_dir):
+        it = iteration_of(name)
+        if it is not None and it not in kept and it < max(kept):
+            shutil.rmtree(os.path.join(node_dir, name), ignore_errors=True)

@@ -1,0 +1,117 @@
+"""The local tier's placement and restore choice (engine/local_plan.py), as properties."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ucp.engine import local_plan as lp
+
+
+@st.composite
+def clusters(draw):
+    """Host names per rank: 1-6 nodes of 1-4 ranks, in blocks or interleaved."""
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=6))
+    hosts = [f"n{i}" for i, n in enumerate(sizes) for _ in range(n)]
+    if draw(st.booleans()):
+        hosts = draw(st.permutations(hosts))
+    return list(hosts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters(), st.integers(0, 4))
+def test_replicas_live_on_other_distinct_nodes(hosts, k):
+    targets = lp.replica_targets(hosts, k)
+    nodes = len(set(hosts))
+    for rank, ts in targets.items():
+        places = [hosts[t] for t in ts]
+        assert hosts[rank] not in places  # never on its own node
+        assert len(set(places)) == len(places) == min(k, nodes - 1)  # each on another node
+    # nodes of equal size: every rank keeps as many replicas as it sends (memory evenly spread)
+    if len({len(r) for r in lp.nodes_of(hosts).values()}) == 1:
+        for rank in targets:
+            assert len(lp.replica_sources(targets, rank)) == min(k, nodes - 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(clusters(), st.integers(0, 3), st.data())
+def test_node_shares_add_up_to_every_copy(hosts, k, data):
+    """Over all nodes, the originals are every piece once and the replicas every piece as often
+    as it is replicated."""
+    sizes = data.draw(st.lists(st.integers(0, 1000), min_size=len(hosts), max_size=len(hosts)))
+    shares = [lp.node_share(hosts, sizes, k, h) for h in set(hosts)]
+    copies = min(k, len(set(hosts)) - 1)
+    assert sum(o for o, _ in shares) == sum(sizes)
+    assert sum(r for _, r in shares) == copies * sum(sizes)
+
+
+def _inventory(hosts, world, iteration, lost=(), bad=()):
+    """What each surviving node holds of `iteration` after a save on `hosts` with 1 replica."""
+    targets = lp.replica_targets(hosts, 1)
+    held = {}
+    for rank in range(world):
+        for where in [rank] + targets[rank]:
+            h = hosts[where]
+            if h not in lost:
+                why = "corrupt" if (h, rank) in bad else None
+                held.setdefault(h, []).append(lp.Copy(h, rank, 10, why))
+    return {h: [lp.Iteration(iteration, world, tuple(cs))] for h, cs in held.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters(), st.data())
+def test_one_lost_node_leaves_every_piece(hosts, data):
+    """With one replica and at least two nodes, losing any one node leaves a sound copy of
+    every rank's piece; the choice restores it, and every surviving leader gets every piece
+    it lacks from a surviving holder."""
+    nodes = sorted(set(hosts))
+    if len(nodes) < 2:
+        return
+    lost = data.draw(st.sampled_from(nodes))
+    inv = _inventory(hosts, len(hosts), 6, lost={lost})
+    choice = lp.choose(list(inv.values()), newer_than=5)
+    assert choice.iteration == 6 and choice.world == len(hosts) and not choice.notes
+    survivors = [h for h in hosts if h != lost]
+    moves = lp.transfers(choice, survivors)
+    leaders = lp.leaders(survivors)
+    for host, leader in leaders.items():
+        got = {saved for _, receiver, saved in moves if receiver == leader}
+        local = {r for r, hs in choice.holders.items() if host in hs}
+        assert got | local == set(range(len(hosts))) and not got & local
+    for sender, _, saved in moves:
+        assert sender in leaders.values() and survivors[sender] in choice.holders[saved]
+
+
+def test_bad_copies_fall_back_and_are_named():
+    hosts = ["a", "a", "b", "b"]
+    newer = _inventory(hosts, 4, 6, lost={"b"}, bad={("a", 2)})
+    older = _inventory(hosts, 4, 4, lost={"b"})
+    inventories = [newer["a"] + older["a"]]
+    choice = lp.choose(inventories, newer_than=3)
+    assert choice.iteration == 4
+    assert choice.notes == ["local iteration 6: bad copies: a: rank 2's piece corrupt",
+                            "local iteration 6: no sound copy of the pieces of ranks 2"]
+    none = lp.choose(inventories, newer_than=4)
+    assert none.iteration is None and none.notes[-1] == ("local iteration 4 is not newer than the "
+                                                         "persistent checkpoint's 4")
+
+
+def test_a_copy_found_bad_on_read_takes_the_other():
+    """mark_bad (what reading the chosen copies found): the next choice takes the other copy."""
+    hosts = ["a", "a", "b", "b"]
+    inv = list(_inventory(hosts, 4, 6).values())
+    first = lp.choose(inv, newer_than=-1)
+    assert first.holders[0] == ["a", "b"]
+    again = lp.choose(lp.mark_bad(inv, [("a", 6, 0, "CRC-32 differs")]), newer_than=-1)
+    assert again.iteration == 6 and again.holders[0] == ["b"]
+    assert again.notes == ["local iteration 6: bad copies: a: rank 0's piece CRC-32 differs"]
+    assert lp.transfers(again, hosts) == [(2, 0, 0)]  # a lacks only 0; b holds every piece
+
+
+def test_nodes_disagreeing_on_world_are_skipped():
+    one = [lp.Iteration(6, 2, (lp.Copy("a", 0, 1), lp.Copy("a", 1, 1)))]
+    other = [lp.Iteration(6, 4, (lp.Copy("b", 2, 1),))]
+    choice = lp.choose([one, other], newer_than=-1)
+    assert choice.iteration is None and "disagree" in choice.notes[0]
+
+
+def test_ranges():
+    assert lp._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

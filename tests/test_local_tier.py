@@ -1,0 +1,254 @@
+"""The local checkpoint tier (issue 37, docs/elastic.md "The local tier"), end to end on CPU.
+
+One job of 4 processes on 2 pretended nodes (node0: ranks 0-1, node1: ranks 2-3) saves locally
+every 2 iterations with one replica and persistently every 5, and is SIGKILLed after iteration
+7 (the local save of 6 complete). Restarts on 2 processes and another layout (--elastic: TP2
+PP2 becomes TP2 PP1) then restore from the local tier, or fall back, and their losses are held
+to an uninterrupted run's.
+"""
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+
+from harness import BASE, losses, max_loss_delta, ok, run_steps
+
+ITERS, LOCAL, PERSISTENT, KILL = 10, 2, 5, 7
+LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--elastic"]
+
+
+def _argv(root: Path, iters=ITERS, local_interval=LOCAL, save=True):
+    argv = BASE + LAYOUT + ["--train-iters", str(iters), "--load", str(root / "ckpt"),
+                            "--local-ckpt-dir", str(root / "local"), "--local-save-interval",
+                            str(local_interval), "--loss-log", str(root / "losses.jsonl")]
+    if save:
+        argv += ["--save", str(root / "ckpt"), "--save-interval", str(PERSISTENT)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """(reference losses, folder of the killed job's tiers)."""
+    root = tmp_path_factory.mktemp("local_tier")
+    reference = run_steps(4, [{"name": "reference", "op": "train",
+                               "argv": BASE + LAYOUT + ["--train-iters", str(ITERS)]}], root / "reference")
+    job = root / "job"
+    complete = [str(job / "local" / node / "iter_0000006" / "COMPLETE") for node in ("node0", "node1")]
+    run_steps(4, [{"name": "job", "op": "train", "argv": _argv(job), "kill_after": KILL,
+                   "hosts": ["node0", "node0", "node1", "node1"], "wait_for": complete}],
+              job, allow_failure=True)
+    logged = [json.loads(line) for line in (job / "losses.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in logged] == list(range(1, KILL + 1)), "the job was not killed after 7"
+    assert (job / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(PERSISTENT)
+    for node in ("node0", "node1"):  # the newest two complete local iterations are kept
+        kept = sorted(p.name for p in (job / "local" / node).iterdir() if p.name.startswith("iter_"))
+        assert kept == ["iter_0000004", "iter_0000006"], (node, kept)
+    ref = losses(reference, "reference")
+    for r in logged:  # the killed job trained as the reference did
+        assert abs(r["loss"] - ref[r["iteration"]]) <= 1e-4, r
+    return ref, job
+
+
+def _restart(crashed, tmp_path, hosts, damage=None):
+    """Copy the killed job's tiers, apply `damage`, restart on len(hosts) processes."""
+    ref, job = crashed
+    root = tmp_path / "restart"
+    shutil.copytree(job / "ckpt", root / "ckpt")
+    shutil.copytree(job / "local", root / "local")
+    if damage:
+        damage(root / "local")
+    result = run_steps(len(hosts), [{"name": "restart", "op": "train", "hosts": hosts,
+                                     "argv": _argv(root, local_interval=100, save=False)}], root)
+    return ref, ok(result, "restart")
+
+
+def _with(argv, flag, value):
+    """`argv` with `flag`'s value replaced."""
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _piece(local: Path, node: str, rank: int, iteration: int = 6) -> Path:
+    return local / node / f"iter_{iteration:07d}" / f"rank_{rank:05d}.safetensors"
+
+
+def test_node_loss_restores_from_local_tier(crashed, tmp_path):
+    """node1 is lost (its dir deleted): node0's originals and node1's replicas on node0 restore
+    iteration 6 on 2 processes of another layout; losses from 7 on are the uninterrupted ones."""
+    ref, r = _restart(crashed, tmp_path, ["node0", "node0"],
+                      damage=lambda local: shutil.rmtree(local / "node1"))
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(7, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+    assert "restored iteration 6 saved on 4 ranks from node0" in r["stdout"], r["stdout"]
+    assert "TP2 PP1" in r["stdout"]
+    print(f"work lost: {KILL - 6} iteration with the local tier, {KILL - PERSISTENT} from the "
+          f"persistent checkpoint of {PERSISTENT} (a persistent interval of {PERSISTENT}: up to "
+          f"{PERSISTENT - 1}); max |dloss| {max_loss_delta(ref, resumed):.2e}")
+
+
+def test_corrupt_copy_takes_the_other(crashed, tmp_path):
+    """A flipped byte in rank 0's original (node0): the restart (one process per node) takes
+    its replica from node1, sent over the job's group, and names the bad file on one line."""
+    ref, r = _restart(crashed, tmp_path, ["node0", "node1"],
+                      damage=lambda local: _flip_byte(_piece(local, "node0", 0)))
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(7, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+    lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier: restored" in line]
+    assert len(lines) == 1 and "node0/iter_0000006/rank_00000.safetensors: CRC-32" in lines[0], r["stdout"]
+
+
+def test_both_copies_bad_fall_back_to_persistent(crashed, tmp_path):
+    """Rank 0's piece of 6 bad on both nodes: iteration 4 is older than the persistent 5, so
+    the restart loads the persistent checkpoint, after one line naming both bad copies."""
+    def damage(local):
+        _flip_byte(_piece(local, "node0", 0))
+        _flip_byte(_piece(local, "node1", 0))
+
+    ref, r = _restart(crashed, tmp_path, ["node0", "node1"], damage=damage)
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(PERSISTENT + 1, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+    lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier:" in line and "falling back" in line]
+    assert len(lines) == 1, r["stdout"]
+    for node in ("node0", "node1"):
+        assert f"{node}/iter_0000006/rank_00000.safetensors: CRC-32" in lines[0]
+    assert "no sound copy of the pieces of ranks 0" in lines[0]
+    assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
+
+
+def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
+    """The persistent save of iteration 4 fails with ENOSPC (every positional write of rank 0
+    raises it: a full shared file system, simulated at the write calls; no tmpfs without root
+    here): a warning, training goes on, iteration 2 stays intact and the tracker on it, no
+    folder of 4, and 6 saves once space returns. --exit-on-save-failure stops at 4 instead.
+    Then another model (hidden 64) pointed at that run's local tier starts from scratch after
+    one line, before loading anything."""
+    from megatron_ucp.format.manifest import read_manifest
+
+    def argv(name, *extra):
+        return BASE + ["--train-iters", "6", "--save", str(tmp_path / name), "--save-interval", "2",
+                       "--local-ckpt-dir", str(tmp_path / f"{name}_local"), "--local-save-interval", "1",
+                       *extra]
+
+    results = run_steps(2, [
+        {"name": "tolerant", "op": "train", "argv": argv("tolerant"), "disk_full_at": [4],
+         "env": {"UCP_MAPPED_WRITES": "0"}},
+        {"name": "strict", "op": "train", "argv": argv("strict", "--exit-on-save-failure"),
+         "disk_full_at": [4], "fatal": False},
+        # another model pointed at the tolerant run's tier (left at iterations 3, 5): one line, from scratch
+        {"name": "other_model", "op": "train", "fatal": False,
+         "argv": _with(BASE, "--hidden-size", "64") + [
+             "--train-iters", "1", "--local-ckpt-dir", str(tmp_path / "tolerant_local"),
+             "--local-save-interval", "100"]},
+    ], tmp_path, allow_failure=True)
+    r = ok(results, "tolerant")
+    assert sorted(int(k) for k in r["losses"]) == list(range(1, 7))
+    assert "warning: persistent save failed, training goes on" in r["stdout"]
+    assert "No space left on device" in r["stdout"]
+    folders = sorted(p.name for p in (tmp_path / "tolerant").iterdir() if p.name.startswith("iter_"))
+    assert folders == ["iter_0000002", "iter_0000006"], folders
+    assert not [p for p in (tmp_path / "tolerant").iterdir() if p.name.startswith(".")
+                and p.is_dir()], "a failed save left a temporary folder"
+    assert (tmp_path / "tolerant" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert read_manifest(str(tmp_path / "tolerant" / "iter_0000002")).iteration == 2
+    strict = results["strict"]
+    assert "error" in strict and "No space left on device" in strict["error"], strict
+    assert (tmp_path / "strict" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (tmp_path / "strict" / "iter_0000004").exists()
+    other = ok(results, "other_model")
+    assert list(other["losses"]) == ["1"], other
+    line = [x for x in other["stdout"].splitlines() if "local checkpoint tier: iteration 5" in x]
+    assert len(line) == 1 and "was saved by another model (checkpoint does not fit the model (" in line[0]
+    assert "hidden_size: checkpoint 32, model 64" in line[0] and "training from scratch" in line[0], line
+
+
+def test_piece_checksum_is_over_every_byte(tmp_path):
+    """A piece's sidecar CRC covers header and data: a flipped byte anywhere is refused."""
+    import numpy as np
+
+    from megatron_ucp.errors import IntegrityError
+    from megatron_ucp.format import local_piece
+    from megatron_ucp.format.layout import Region
+
+    data = local_piece.encode([("w", Region("", (0, 0), (2, 3), 1, 5))],
+                              [{"param": np.arange(4, dtype=np.float32)}], {"iteration": 3})
+    local_piece.write_piece(str(tmp_path), 3, 1, data)
+    meta, regions = local_piece.decode(local_piece.read_piece(str(tmp_path), 3, 1), "p")
+    assert meta["iteration"] == 3 and regions[0][1] == Region("", (0, 0), (2, 3), 1, 5)
+    assert regions[0][2]["param"].tolist() == [0, 1, 2, 3]
+    path = Path(local_piece.piece_path(str(tmp_path), 3, 1))
+    for at in (3, len(data) - 1):
+        raw = bytearray(data)
+        raw[at] ^= 1
+        path.write_bytes(bytes(raw))
+        with pytest.raises(IntegrityError, match=f"{path}: CRC-32 {zlib.crc32(bytes(raw)):08x}"):
+            local_piece.read_piece(str(tmp_path), 3, 1)
+
+
+def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
+    """A node dir without room for 3 iterations of its pieces and replicas: one line with the
+    numbers; with room: nothing."""
+    import collections
+    import types
+
+    from megatron_ucp.engine import local_tier
+    from megatron_ucp.errors import ConfigError
+
+    tier = types.SimpleNamespace(leader=True, node_dir=str(tmp_path / "n0"), host="n0",
+                                 hosts=["n0", "n0", "n1", "n1"], replicas=1)
+    usage = collections.namedtuple("usage", "total used free")
+    gib = 2**30
+    monkeypatch.setattr(local_tier.shutil, "disk_usage", lambda path: usage(0, 0, 5 * gib))
+    local_tier._check_space(tier, [gib // 4] * 4)  # 3 x (0.5 + 0.5) GiB = 3 GiB <= 5
+    with pytest.raises(ConfigError) as e:
+        local_tier._check_space(tier, [gib] * 4)  # 3 x (2 + 2) GiB = 12 GiB > 5
+    message = str(e.value)
+    assert "\n" not in message
+    for text in ("needs 12.00 GiB on n0", "3 iterations x (2.00 GiB of its 2 ranks' pieces + 2.00 GiB of "
+                 "replicas)", "5.00 GiB are free", str(tmp_path / "n0")):
+        assert text in message, message
+
+
+def test_check_loss_sets_a_bad_local_iteration_aside(tmp_path):
+    """--local-ckpt-check-loss: a NaN first loss after a local restore removes the iteration's
+    COMPLETE marker and stops with one error; a finite one keeps it."""
+    import argparse
+    import math
+    import types
+
+    import torch.distributed as dist
+
+    from harness import free_port
+    from megatron_ucp.errors import IntegrityError
+    from megatron_ucp.format import local_piece
+    from megatron_ucp.train import loop
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        for loss, kept in ((1.5, True), (math.nan, False)):
+            node = tmp_path / str(kept) / "n0"
+            (node / "iter_0000006").mkdir(parents=True)
+            local_piece.mark_complete(str(node), 6, 4)
+            tier = types.SimpleNamespace(leader=True, node_dir=str(node), group=None, restored=6)
+            args = argparse.Namespace(local_ckpt_check_loss=True, local_ckpt_dir=str(node.parent))
+            if kept:
+                loop._check_restored_loss(args, tier, loss)
+            else:
+                with pytest.raises(IntegrityError, match="first loss after restoring local iteration 6 is nan"):
+                    loop._check_restored_loss(args, tier, loss)
+            assert local_piece.complete_iterations(str(node)) == ({6: 4} if kept else {})
+            assert tier.restored is None  # checked once, after the first iteration only
+    finally:
+        dist.destroy_process_group()
