@@ -95,6 +95,7 @@ def main() -> int:
     p.add_argument("--save-at", type=int, default=10)
     a = p.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="ucp-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "checkpoints"
     log_a, log_b = work / "loss_a.jsonl", work / "loss_b.jsonl"
     for f in (log_a, log_b):

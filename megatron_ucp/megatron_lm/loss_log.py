@@ -10,6 +10,7 @@ not reset). One rank writes it: the last stage's first tensor- and data-parallel
 import functools
 import importlib
 import json
+import os
 
 
 def _writes() -> bool:
@@ -51,6 +52,7 @@ def install() -> None:
         lr = optimizer.param_groups[0]["lr"] if optimizer is not None and optimizer.param_groups else None
         result = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
         if result[0] and _writes():
+            os.makedirs(os.path.dirname(os.path.abspath(args.loss_log)), exist_ok=True)
             with open(args.loss_log, "a") as f:
                 f.write(json.dumps(record(args.curr_iteration + 1, result[0], lr)) + "\n")
         return result
