@@ -64,9 +64,9 @@ def test_reference_saves_universal_checkpoints_at_the_trainers_save_points(refer
     assert sorted(reference["losses"]) == list(range(1, N + 1))
 
 
+# PP2 alone: test_resume_with_another_padded_vocabulary; DP2 with the distributed optimizer alone:
+# the elastic test's TP2 x DP2.
 @pytest.mark.parametrize("name,nproc,layout", [
-    ("pp2", 2, PP2),
-    ("dp2_dist", 2, DIST),  # 2 processes, no TP: data-parallel 2
     ("tp2_sp_pp2", 4, TP2 + SP + PP2),
     ("pp2_vpp_dp2_dist", 4, PP2 + VPP + DIST),  # interleaved: 2 virtual stages of 1 layer per stage
     ("pp2_uneven", 2, PP2 + UNEVEN),  # 1 layer on the first stage, 3 on the last
@@ -80,9 +80,11 @@ def test_resume_on_another_layout(python, reference, tmp_path, name, nproc, layo
 
 
 def test_resume_with_another_padded_vocabulary(python, reference, tmp_path):
-    """--make-vocab-size-divisible-by 100 pads 250 to 300; the checkpoint's 256 rows are kept
-    (padding rows take part in the softmax) and the loss continues."""
+    """On PP2, --make-vocab-size-divisible-by 100 pads 250 to 300; the checkpoint's 256 rows are
+    kept (padding rows take part in the softmax) and the loss continues."""
     r = resume(python, reference, tmp_path, 2, PP2, ["--make-vocab-size-divisible-by", "100"])
+    assert f"successfully loaded universal checkpoint from {reference['ckpt']} at iteration {K}" in r.output
+    assert min(r.losses()) == K + 1
     assert "keeping the checkpoint's padded vocabulary of 256 rows (instead of 300)" in r.output
     assert max_delta(reference["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
 
@@ -104,14 +106,11 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes(python, reference, t
 
 
 def test_finetune_loads_the_weights_and_starts_over(python, reference, tmp_path):
-    """--finetune: the weights only, iteration 0 and no consumed samples, on any layout: the
-    saving layout and another train alike from the loaded weights."""
-    same = resume(python, reference, tmp_path / "tp2", 2, TP2, ["--finetune"])
-    other = resume(python, reference, tmp_path / "pp2", 2, PP2, ["--finetune"])
-    assert sorted(same.losses()) == sorted(other.losses()) == list(range(1, N + 1))
-    assert max_delta(same.losses(), other.losses(), range(1, N + 1)) <= TOL
+    """--finetune on another layout (PP2): the weights only, iteration 0 and no consumed samples."""
+    r = resume(python, reference, tmp_path, 2, PP2, ["--finetune"])
+    assert sorted(r.losses()) == list(range(1, N + 1))
     # The loaded weights, not fresh ones: the first loss is that of a model trained K iterations.
-    assert same.losses()[1] < reference["losses"][1] - 0.05
+    assert r.losses()[1] < reference["losses"][1] - 0.05
 
 
 def test_a_torch_dist_job_switches_to_universal(python, reference, tmp_path):
