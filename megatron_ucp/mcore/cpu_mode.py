@@ -26,6 +26,7 @@ _MODULES_WITH_CUDA_LITERALS = (
     "megatron.core.models.gpt.gpt_model",  # MTP / loss helper buffers
     "megatron.core.transformer.utils",  # default causal attention mask
     "megatron.core.transformer.moe.moe_utils",  # MoE load-balancing trackers
+    "megatron.core.models.common.embeddings.rope_utils",  # CP chunk index, pin_memory (0.19.2: 62)
 )
 
 
@@ -260,6 +261,9 @@ class CpuCoreAttention(torch.nn.Module):
     heads (query groups repeated), the softmax scale MLA passes, megatron's mask fill value,
     softmax in fp32, attention dropout under the tensor-parallel RNG; returns [s, b, heads x v_dim].
     With MLA on TP > 1 it also completes the shared rotary key's grad (_SharedKeyChannelsGrad).
+    With context parallelism (megatron's DotProductAttention refuses it,
+    dot_product_attention.py:58 in 0.19.2) it all-gathers key and value in megatron's
+    load-balanced chunk order (mcore/context_parallel.py) and masks by global position.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -268,9 +272,10 @@ class CpuCoreAttention(torch.nn.Module):
         super().__init__()
         from megatron.core import parallel_state
 
-        if config.context_parallel_size != 1:
-            raise ValueError("CpuCoreAttention: context parallelism is not supported")
         self.config = config
+        self.cp_group = (pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp")
+                         else parallel_state.get_context_parallel_group()) \
+            if config.context_parallel_size > 1 else None
         self.attn_mask_type = attn_mask_type
         self.tp_group = pg_collection.tp if pg_collection is not None else \
             parallel_state.get_tensor_model_parallel_group()
@@ -296,6 +301,14 @@ class CpuCoreAttention(torch.nn.Module):
             raise ValueError("CpuCoreAttention: packed sequences and attention bias are not supported")
         if self.shared_key_channels and key.requires_grad:
             key = _SharedKeyChannelsGrad.apply(key, self.shared_key_channels, self.tp_group)
+        queries_at = None
+        if self.cp_group is not None:
+            from megatron_ucp.mcore import context_parallel
+
+            key = context_parallel.GatherSequence.apply(key, self.cp_group)
+            value = context_parallel.GatherSequence.apply(value, self.cp_group)
+            queries_at = torch.tensor(context_parallel.positions_of_rank(
+                self.cp_group.size(), self.cp_group.rank(), query.shape[0]), device=query.device)
         if self.heads != self.groups:
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
             value = value.repeat_interleave(self.heads // self.groups, dim=2)
@@ -303,7 +316,9 @@ class CpuCoreAttention(torch.nn.Module):
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         if attention_mask is None and causal:
             sq, sk = scores.shape[-2:]
-            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+            if queries_at is None:
+                queries_at = torch.arange(sq, device=scores.device)
+            attention_mask = torch.arange(sk, device=scores.device)[None, :] > queries_at[:, None]
         if attention_mask is not None:
             scores = scores.masked_fill(attention_mask, -10000.0)  # megatron's attention_mask_func
         probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
@@ -314,6 +329,25 @@ class CpuCoreAttention(torch.nn.Module):
                 probs = self.dropout(probs)
         context = torch.einsum("bhst,tbhd->sbhd", probs, value)
         return context.reshape(context.shape[0], context.shape[1], self.heads * self.v_channels)
+
+
+class LocalOrContextParallelAttention:
+    """The local spec's core attention in CPU mode: megatron's own DotProductAttention, or
+    CpuCoreAttention where context parallelism is on (dot_product_attention.py:58 refuses it in
+    0.19.2; transformer-engine's attention, the GPU path, takes it)."""
+
+    def __new__(cls, *args, **kwargs):
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        chosen = CpuCoreAttention if config.context_parallel_size > 1 else DotProductAttention
+        return chosen(*args, **kwargs)
+
+
+def _patch_local_attention():
+    """backends.py:129 (0.19.2) names the local spec's core attention; the spec functions ask it."""
+    backends = importlib.import_module("megatron.core.models.backends")
+    backends.LocalSpecProvider.core_attention = lambda self: LocalOrContextParallelAttention
 
 
 def use_cpu_mla_attention(spec) -> None:
@@ -336,5 +370,6 @@ def enable() -> None:
     _patch_torch_cuda()
     _patch_modules()
     _patch_rng_tracker()
+    _patch_local_attention()
     _fork_checkpoint_queue()
     _ENABLED = True
