@@ -182,6 +182,47 @@ def test_elastic_resumes_on_the_surviving_node(python, reference, tmp_path):
           f"{r['after_kill']:.1f} s from the kill to the end")
 
 
+# -- context parallelism: CP ranks are replicas in sharded_state_dict (the third replica coordinate
+# is the rank in data x context); the distributed optimizer shards over data x context. Rotary
+# embeddings: megatron splits them by CP rank too (rope_utils' pinned chunk index). --
+
+ROPE = ["--position-embedding-type", "rope"]
+CP2 = ["--context-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def rope_runs(python, tmp_path_factory):
+    """The same rope GPT on CP2 (distributed optimizer: shards over data x context) and on CP1
+    (DP2), each saving at K and running on to N."""
+    work = tmp_path_factory.mktemp("cp")
+    out = {}
+    for name, layout in (("cp2", CP2 + DIST), ("cp1", [])):
+        r = run(python, work / name, 2, ROPE + layout + UNIVERSAL + ["--save", str(work / f"{name}_ckpt"),
+                                                                    "--save-interval", str(K)], N).check()
+        out[name] = {"losses": r.losses(), "ckpt": work / f"{name}_ckpt"}
+    return out
+
+
+def test_cp2_trains_as_cp1_and_records_it_in_the_layout(rope_runs):
+    assert max_delta(rope_runs["cp1"]["losses"], rope_runs["cp2"]["losses"], range(1, N + 1)) <= TOL
+    layout = json.loads((rope_runs["cp2"]["ckpt"] / f"iter_{K:07d}" / "ucp.json").read_text())["layout"]
+    assert layout["context_parallel_size"] == 2 and layout["data_parallel_size"] == 1
+
+
+@pytest.mark.parametrize("name,source,nproc,layout", [
+    ("cp2_to_cp1", "cp2", 2, []),
+    ("cp2_to_pp2_dist", "cp2", 2, PP2 + DIST),
+    ("cp1_to_cp2_tp2", "cp1", 4, CP2 + TP2),
+])
+def test_context_parallel_resumes(python, rope_runs, tmp_path, name, source, nproc, layout):
+    ref = rope_runs[source]
+    r = run(python, tmp_path, nproc, ROPE + layout + UNIVERSAL + ["--load", str(ref["ckpt"]),
+                                                                  "--ckpt-step", str(K)], N).check()
+    assert min(r.losses()) == K + 1
+    delta = max_delta(ref["losses"], r.losses(), range(K + 1, N + 1))
+    assert delta <= TOL, f"{name}: max |dloss| {delta:.3g}"
+
+
 # -- the project's own loop (megatron-core 0.16.1) and Megatron-LM's trainer share checkpoints --
 
 # The same model, optimizer and data in both: megatron-core's GPTDataset over a small corpus

@@ -91,7 +91,8 @@ def _unrequested(m: mf.Manifest, tensors, path: str, strict: bool, owned) -> set
 
 def _same_layout(saved: dict, current: dict) -> bool:
     keys = [k for k in current if k != "use_distributed_optimizer"]
-    return all(saved.get(k) == current[k] for k in keys)
+    older = {"context_parallel_size": 1}  # manifests from before it was recorded
+    return all(saved.get(k, older.get(k)) == current[k] for k in keys)
 
 
 def _missing_pieces(m: mf.Manifest, path: str, optimizer, scheduler, load_optim, load_scheduler) -> None:

@@ -47,6 +47,7 @@ def current_layout(optimizer, padded_vocab_size=None) -> mf.Layout:
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         data_parallel_size=ps.get_data_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         use_distributed_optimizer=uses_distributed_optimizer(optimizer),

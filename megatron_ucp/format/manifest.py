@@ -35,6 +35,7 @@ class Layout:
     use_distributed_optimizer: bool
     world_size: Optional[int] = None
     padded_vocab_size: Optional[int] = None
+    context_parallel_size: int = 1  # absent from manifests written before it was recorded: 1
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -340,6 +341,8 @@ def _check_meaning(m: dict, path: str, directory: str) -> None:
     _check_block(m["layout"], LAYOUT, path, "layout")
     if "padded_vocab_size" in m["layout"]:
         _check_block(m["layout"], {"padded_vocab_size": _SIZE}, path, "layout")
+    if "context_parallel_size" in m["layout"]:
+        _check_block(m["layout"], {"context_parallel_size": _SIZE}, path, "layout")
     _need(isinstance(m.get("rng_saved", True), bool), path,
           f"'rng_saved' is {m.get('rng_saved')!r}, expected true or false")
     if "progress" in m:

@@ -102,7 +102,22 @@ def get_batch(data_iterator, vp_stage=None):
     attention_mask = None
     if args.create_attention_mask_in_dataloader:
         attention_mask = tensor_parallel.broadcast_data(["attention_mask"], data, torch.bool)["attention_mask"]
-    return ints["tokens"], ints["labels"], mask, attention_mask, ints["position_ids"]
+    batch = {"tokens": ints["tokens"], "labels": ints["labels"], "loss_mask": mask,
+             "attention_mask": attention_mask, "position_ids": ints["position_ids"]}
+    if args.context_parallel_size > 1:
+        batch = _on_this_context_parallel_rank(batch)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+
+def _on_this_context_parallel_rank(batch):
+    """This rank's two load-balanced chunks of every sequence (megatron's own split); 0.19's
+    get_batch_on_this_cp_rank takes is_hybrid_cp and the group, 0.17's the batch alone."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                         cp_group=parallel_state.get_context_parallel_group())
+    return get_batch_on_this_cp_rank(batch)
 
 
 def forward_step(data_iterator, model, return_schedule_plan=False):
