@@ -184,43 +184,70 @@ def test_elastic_resumes_on_the_surviving_node(python, reference, tmp_path):
 
 # -- context parallelism: CP ranks are replicas in sharded_state_dict (the third replica coordinate
 # is the rank in data x context); the distributed optimizer shards over data x context. Rotary
-# embeddings: megatron splits them by CP rank too (rope_utils' pinned chunk index). --
+# embeddings: megatron splits them by CP rank too (rope_utils' pinned chunk index). One CP2
+# reference serves every resume; a resumed run's own checkpoint serves the next. --
 
 ROPE = ["--position-embedding-type", "rope"]
 CP2 = ["--context-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
-def rope_runs(python, tmp_path_factory):
-    """The same rope GPT on CP2 (distributed optimizer: shards over data x context) and on CP1
-    (DP2), each saving at K and running on to N."""
-    work = tmp_path_factory.mktemp("cp")
-    out = {}
-    for name, layout in (("cp2", CP2 + DIST), ("cp1", [])):
-        r = run(python, work / name, 2, ROPE + layout + UNIVERSAL + ["--save", str(work / f"{name}_ckpt"),
-                                                                    "--save-interval", str(K)], N).check()
-        out[name] = {"losses": r.losses(), "ckpt": work / f"{name}_ckpt"}
-    return out
+def cp2_reference(python, tmp_path_factory):
+    """A rope GPT on CP2 with the distributed optimizer (it shards over data x context), saving
+    at K and running on to N."""
+    work = tmp_path_factory.mktemp("cp2")
+    r = run(python, work / "run", 2, ROPE + CP2 + DIST + UNIVERSAL + ["--save", str(work / "ckpt"),
+                                                                     "--save-interval", str(K)], N).check()
+    return {"losses": r.losses(), "ckpt": work / "ckpt"}
 
 
-def test_cp2_trains_as_cp1_and_records_it_in_the_layout(rope_runs):
-    assert max_delta(rope_runs["cp1"]["losses"], rope_runs["cp2"]["losses"], range(1, N + 1)) <= TOL
-    layout = json.loads((rope_runs["cp2"]["ckpt"] / f"iter_{K:07d}" / "ucp.json").read_text())["layout"]
+def test_cp2_resumes_on_cp1_whose_checkpoint_resumes_on_cp2_tp2(python, cp2_reference, tmp_path):
+    """CP2 -> CP1 (DP2) at K, saving every 2 -> CP2 x TP2 (4 processes) at K + 2; both within
+    TOL of the CP2 run, and each manifest records its context-parallel size."""
+    layout = json.loads((cp2_reference["ckpt"] / f"iter_{K:07d}" / "ucp.json").read_text())["layout"]
     assert layout["context_parallel_size"] == 2 and layout["data_parallel_size"] == 1
+    ckpt = tmp_path / "cp1_ckpt"
+    cp1 = run(python, tmp_path / "cp1", 2, ROPE + UNIVERSAL + ["--load", str(cp2_reference["ckpt"]), "--ckpt-step",
+                                                               str(K), "--save", str(ckpt), "--save-interval", "2"],
+              N).check()
+    assert min(cp1.losses()) == K + 1
+    assert max_delta(cp2_reference["losses"], cp1.losses(), range(K + 1, N + 1)) <= TOL
+    assert json.loads((ckpt / f"iter_{K + 2:07d}" / "ucp.json").read_text())["layout"]["context_parallel_size"] == 1
+    cp2tp2 = run(python, tmp_path / "cp2tp2", 4, ROPE + CP2 + TP2 + UNIVERSAL
+                 + ["--load", str(ckpt), "--ckpt-step", str(K + 2)], N).check()
+    assert min(cp2tp2.losses()) == K + 3
+    assert max_delta(cp2_reference["losses"], cp2tp2.losses(), range(K + 3, N + 1)) <= TOL
 
 
-@pytest.mark.parametrize("name,source,nproc,layout", [
-    ("cp2_to_cp1", "cp2", 2, []),
-    ("cp2_to_pp2_dist", "cp2", 2, PP2 + DIST),
-    ("cp1_to_cp2_tp2", "cp1", 4, CP2 + TP2),
-])
-def test_context_parallel_resumes(python, rope_runs, tmp_path, name, source, nproc, layout):
-    ref = rope_runs[source]
-    r = run(python, tmp_path, nproc, ROPE + layout + UNIVERSAL + ["--load", str(ref["ckpt"]),
-                                                                  "--ckpt-step", str(K)], N).check()
+def test_cp2_resumes_on_pp2_with_the_distributed_optimizer(python, cp2_reference, tmp_path):
+    r = run(python, tmp_path, 2, ROPE + PP2 + DIST + UNIVERSAL + ["--load", str(cp2_reference["ckpt"]),
+                                                                 "--ckpt-step", str(K)], N).check()
     assert min(r.losses()) == K + 1
-    delta = max_delta(ref["losses"], r.losses(), range(K + 1, N + 1))
-    assert delta <= TOL, f"{name}: max |dloss| {delta:.3g}"
+    assert max_delta(cp2_reference["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
+
+
+# -- torch FSDP2 (--use-torch-fsdp2): parameters and Adam moments are DTensors sharded on dim 0
+# over data parallelism; megatron describes the local shards, and we map the optimizer state.
+# FSDP2 needs untied embeddings (arguments.py:1010). --
+
+FSDP2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+
+
+def test_fsdp2_resumes_on_tp2_with_the_distributed_optimizer_and_back(python, tmp_path):
+    """FSDP2 (DP2) saves at K -> TP2 with the distributed optimizer resumes it, saving every 2
+    -> FSDP2 resumes that at K + 2; both within TOL of the FSDP2 run."""
+    untied_tp2 = ["--untie-embeddings-and-output-weights"] + TP2 + DIST
+    ref = run(python, tmp_path / "ref", 2, FSDP2 + UNIVERSAL + ["--save", str(tmp_path / "ckpt"),
+                                                                "--save-interval", str(K)], N).check()
+    tp2 = run(python, tmp_path / "tp2", 2, untied_tp2 + UNIVERSAL + [
+        "--load", str(tmp_path / "ckpt"), "--ckpt-step", str(K), "--save", str(tmp_path / "tp2_ckpt"),
+        "--save-interval", "2"], N).check()
+    assert min(tp2.losses()) == K + 1
+    assert max_delta(ref.losses(), tp2.losses(), range(K + 1, N + 1)) <= TOL
+    back = run(python, tmp_path / "back", 2, FSDP2 + UNIVERSAL + ["--load", str(tmp_path / "tp2_ckpt"),
+                                                                  "--ckpt-step", str(K + 2)], N).check()
+    assert min(back.losses()) == K + 3
+    assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
 
 
 # -- the project's own loop (megatron-core 0.16.1) and Megatron-LM's trainer share checkpoints --

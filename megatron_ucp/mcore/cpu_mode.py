@@ -350,6 +350,32 @@ def _patch_local_attention():
     backends.LocalSpecProvider.core_attention = lambda self: LocalOrContextParallelAttention
 
 
+class _CpuDeviceMesh:
+    """torch's DeviceMesh, whose meshes asked for 'cuda' are CPU meshes (gloo's)."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu" if device_type.startswith("cuda") else device_type,
+                                     *args, **kwargs)
+
+    def __getattr__(self, name):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return getattr(DeviceMesh, name)
+
+
+def _patch_fsdp2_mesh():
+    """torch_fully_sharded_data_parallel.py:81 (0.19.2) builds FSDP2's mesh on 'cuda'."""
+    try:
+        fsdp2 = importlib.import_module("megatron.core.distributed.torch_fully_sharded_data_parallel")
+    except ImportError:
+        return
+    if hasattr(fsdp2, "DeviceMesh"):
+        fsdp2.DeviceMesh = _CpuDeviceMesh
+
+
 def use_cpu_mla_attention(spec) -> None:
     """Give every MLA layer in a layer or block spec (and what an MTP spec copies from it) the
     CpuCoreAttention above; changes the spec in place."""
@@ -371,5 +397,6 @@ def enable() -> None:
     _patch_modules()
     _patch_rng_tracker()
     _patch_local_attention()
+    _patch_fsdp2_mesh()
     _fork_checkpoint_queue()
     _ENABLED = True

@@ -29,6 +29,7 @@ from megatron.core import parallel_state
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.format.layout import Box, Rule, atomic_shape_from_local, box_pieces, boxes_of
+from megatron_ucp.mcore.fsdp2 import local_shard
 from megatron_ucp.mcore.optimizer_state import Fragment, fragments as optimizer_fragments
 
 _SWIGLU_HALF = re.compile(r"_[wv]$")  # megatron's singleton spelling of the two SwiGLU halves
@@ -210,9 +211,9 @@ def _mapping(gpt, vocab_size: int) -> tuple:
     singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
     grouped = _legacy_grouped_weights(gpt, singleton)
     grouped_ids = {id(param) for _, param, _, _ in grouped}
-    found = _geometry(gpt, vocab_size, {id(p) for p in gpt.parameters()}, singleton, grouped_ids)
+    found = _geometry(gpt, vocab_size, {id(local_shard(p)) for p in gpt.parameters()}, singleton, grouped_ids)
     mapped = {id(g.tensor) for g in found} | grouped_ids
-    missing = [n for n, p in gpt.named_parameters() if id(p) not in mapped]
+    missing = [n for n, p in gpt.named_parameters() if id(local_shard(p)) not in mapped]
     if missing:
         raise LayoutError(f"megatron's sharded state dict does not describe parameters {missing[:5]}")
     gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)

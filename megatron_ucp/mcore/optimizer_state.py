@@ -24,6 +24,7 @@ import torch
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.format import host_memory
+from megatron_ucp.mcore.fsdp2 import local_shard
 
 
 @dataclass
@@ -127,7 +128,8 @@ def plain_groups(param_groups) -> list:
 
 
 def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.view(-1)
+    """1-D view of a state tensor (of its local shard for FSDP2's DTensors)."""
+    return None if t is None else local_shard(t).view(-1)
 
 
 def _distributed(opt, for_load: bool) -> Dict[torch.nn.Parameter, Fragment]:
@@ -173,8 +175,9 @@ def _float16(opt) -> Dict[torch.nn.Parameter, Fragment]:
         pairs += [(p, p) for p in group]
     for model_param, main in pairs:
         state = inner.state[main]
-        out[model_param] = Fragment(0, model_param.numel(), main.view(-1), _flat(state.get("exp_avg")),
-                                    _flat(state.get("exp_avg_sq")), main is model_param)
+        out[local_shard(model_param)] = Fragment(0, local_shard(model_param).numel(), _flat(main),
+                                                 _flat(state.get("exp_avg")), _flat(state.get("exp_avg_sq")),
+                                                 main is model_param)
     return out
 
 
@@ -184,8 +187,9 @@ def _fp32(opt) -> Dict[torch.nn.Parameter, Fragment]:
     for group in inner.param_groups:
         for p in group["params"]:
             state = inner.state[p]
-            out[p] = Fragment(0, p.numel(), p.data.view(-1), _flat(state.get("exp_avg")),
-                              _flat(state.get("exp_avg_sq")), True)
+            local = local_shard(p)
+            out[local] = Fragment(0, local.numel(), local.data.view(-1), _flat(state.get("exp_avg")),
+                                  _flat(state.get("exp_avg_sq")), True)
     return out
 
 

@@ -9,6 +9,8 @@ megatron-core >= 0.17).
 - its parser (flags.py): `--ckpt-format` gains `universal`, and the project's flags join it
   (checkpoint flags, `--elastic`, `--loss-log`, `--cpu`);
 - `validate_args` (elastic.py): with `--elastic`, the layout is chosen for the world size first;
+- `validate_args` (fsdp_flags.py): a universal FSDP run passes the checks that name megatron's
+  FSDP checkpoint formats;
 - `train_step` (loss_log.py): with `--loss-log`, one JSON line per iteration;
 - its checkpoint functions (checkpoint.py): `save_checkpoint` writes universal checkpoints when
   `--ckpt-format universal`, `load_checkpoint` loads any universal checkpoint on any layout
@@ -37,7 +39,7 @@ def install(cpu: bool = False) -> None:
         if cpu and not _INSTALLED["cpu"]:
             raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")
         return
-    from megatron_ucp.megatron_lm import checkpoint, elastic, flags, loss_log, trainer_fixes
+    from megatron_ucp.megatron_lm import checkpoint, elastic, flags, fsdp_flags, loss_log, trainer_fixes
 
     compat.apply()
     trainer_fixes.apply()
@@ -47,6 +49,7 @@ def install(cpu: bool = False) -> None:
         cpu_mode.enable()
     flags.install(cpu)
     elastic.install()
+    fsdp_flags.install()
     checkpoint.install()
     loss_log.install()
     _INSTALLED["cpu"] = cpu

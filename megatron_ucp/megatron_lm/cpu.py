@@ -4,6 +4,7 @@ assumptions); each accommodation names the megatron-core 0.19.2 line it answers.
 by `python -m megatron_ucp.megatron_lm --cpu` (tests, demos); the GPU path never imports it.
 """
 
+import functools
 import importlib
 import os
 import types
@@ -50,6 +51,24 @@ def _no_cuda_generator():
     random._set_cuda_rng_state = lambda *a, **k: None
 
 
+def _stream_connections_as_flags_want(arguments):
+    """arguments.py:1437 wants CUDA_DEVICE_MAX_CONNECTIONS=1 under TP or CP, and 1014 anything
+    else under FSDP: CUDA stream settings, which a CPU process meets as whatever its flags ask."""
+    original = arguments.validate_args
+
+    @functools.wraps(original)
+    def validate_args(args, *rest, **kwargs):
+        if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        return original(args, *rest, **kwargs)
+
+    from megatron_ucp.megatron_lm.patching import replace_everywhere
+
+    replace_everywhere(original, validate_args)
+
+
 def _stand_in_optimizer():
     """megatron's distributed optimizer cannot load its torch_dist state into torch's AdamW
     (distrib_optimizer: `assert len(steps) == 1`, KeyError 'step'); GPU runs use TE's FusedAdam,
@@ -92,8 +111,9 @@ def enable() -> None:
     # arguments.py:1414: get_device_arch_version() asks torch.cuda.get_device_properties; a CPU
     # process takes the pre-Blackwell answer, and with it 1437's demand for one CUDA stream
     # connection under TP, which a process without CUDA streams meets as set.
-    importlib.import_module("megatron.training.arguments").get_device_arch_version = lambda: 0
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    arguments = importlib.import_module("megatron.training.arguments")
+    arguments.get_device_arch_version = lambda: 0
+    _stream_connections_as_flags_want(arguments)
     _no_cuda_generator()
     _stand_in_optimizer()
     _mla_attention()
