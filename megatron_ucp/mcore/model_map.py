@@ -29,7 +29,7 @@ from megatron.core import parallel_state
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.format.layout import Box, Rule, atomic_shape_from_local, box_pieces, boxes_of
-from megatron_ucp.mcore.fsdp2 import local_shard
+from megatron_ucp.mcore.fsdp2 import local_shard, unevenly_sharded
 from megatron_ucp.mcore.optimizer_state import Fragment, fragments as optimizer_fragments
 
 _SWIGLU_HALF = re.compile(r"_[wv]$")  # megatron's singleton spelling of the two SwiGLU halves
@@ -208,6 +208,10 @@ def _mapping(gpt, vocab_size: int) -> tuple:
     cached = getattr(gpt, "_ucp_geometry", None)
     if cached is not None and cached[0] == vocab_size:
         return cached[1], cached[2]
+    uneven = unevenly_sharded(gpt.named_parameters())
+    if uneven:
+        raise LayoutError(f"torch FSDP2 pads the shards of {uneven[:3]}, which megatron's sharded state dict "
+                          "describes as even: choose sizes that divide over the data-parallel group")
     singleton = _sharded_tensors(gpt, {"singleton_local_shards": True})
     grouped = _legacy_grouped_weights(gpt, singleton)
     grouped_ids = {id(param) for _, param, _, _ in grouped}
