@@ -10,7 +10,9 @@ trainer with the plug-in, on 0.16 the project's own loop) and resumes it:
    the same layout, losses equal to the uninterrupted run's;
 2. the same with the precision-aware optimizer (bf16 moments, fp32 masters inside FusedAdam);
 3. fp16 with the dynamic loss scaler: same-layout resume, scaler state in the manifest;
-4. the GPU checkpoint to 2 CPU processes (local spec, TP2 over gloo) and back to the GPU.
+4. the GPU checkpoint to 2 CPU processes (local spec, TP2 over gloo) and back to the GPU;
+5. (megatron-core >= 0.17) the check-1 checkpoint resumed with context parallelism 2: on 2 CPU
+   processes, and with transformer-engine's attention over NCCL where the machine has two GPUs.
 
 Prints one line per check and a summary; exits non-zero if any failed. Needs a machine with a
 CUDA torch, transformer-engine and megatron-core installed (nothing is installed here).
@@ -156,6 +158,30 @@ def cpu_and_back(work) -> str:
     return f"max |dloss| GPU->CPU TP2 {d_cpu:.3g}, back on the GPU {d_back:.3g}"
 
 
+def context_parallel(work) -> str:
+    """Check 1's checkpoint resumed on CP2 through Megatron-LM's trainer: on 2 CPU processes (the
+    CPU mode's attention over gloo) and, where there are two GPUs, with transformer-engine's
+    attention over NCCL (which takes one rank per GPU)."""
+    import torch
+
+    from megatron_ucp.mcore.compat import ships_megatron_lm
+
+    if not ships_megatron_lm():
+        return "SKIP  context parallelism is checked through Megatron-LM's trainer (megatron-core >= 0.17)"
+    reference = {r["iteration"]: r["loss"] for r in
+                 map(json.loads, (work / "te_bf16_full.jsonl").read_text().splitlines())}
+    resume = ["--bf16", "--use-distributed-optimizer", "--context-parallel-size", "2", "--train-iters", str(N),
+              "--load", str(work / "te_bf16"), "--ckpt-step", str(K), "--load-universal"]
+    deltas = {"CPU CP2": delta(reference, pretrain(work, "cpu_cp2", 2, ["--cpu", *resume], timeout=300))}
+    if not GPU_FLAGS and torch.cuda.device_count() >= 2:
+        deltas["GPU CP2"] = delta(reference, pretrain(work, "gpu_cp2", 2, resume))
+    found = ", ".join(f"{k} {v:.3g}" for k, v in deltas.items()) + \
+        ("" if "GPU CP2" in deltas else ", GPU CP2 not run (one GPU)")
+    if max(deltas.values()) > GPU_CPU_TOL:
+        raise RuntimeError(f"max |dloss| {found} > {GPU_CPU_TOL}")
+    return f"max |dloss| {found}"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--dry-run-on-cpu"]:
@@ -187,6 +213,8 @@ def main(argv=None) -> int:
          lambda: same_layout(work, "te_fp16", ["--fp16", "--use-distributed-optimizer",
                                                "--initial-loss-scale", "1024", "--loss-scale-window", "2"])),
         ("GPU checkpoint -> 2 CPU processes (local spec, TP2, gloo) -> GPU", lambda: cpu_and_back(work)),
+        ("GPU checkpoint -> context parallelism 2 (CPU; TE over NCCL on two GPUs)",
+         lambda: context_parallel(work)),
     ]
     print(f"gpu-check: every run is {trainer_name()}", flush=True)
     failed = 0
