@@ -128,3 +128,16 @@ def test_manifest_read_back_is_the_one_written(tmp_path):
     os.makedirs(folder)
     durability.atomic_write_json(str(folder / mf.MANIFEST), written.to_json())
     assert mf.read_manifest(str(folder)) == written
+
+
+def test_rng_states_apply_on_the_same_layout_and_older_manifests_were_cp1():
+    """The layout records context_parallel_size; a manifest written before it was recorded was
+    CP1, so its RNG states still apply on the same layout, and not on CP2."""
+    from megatron_ucp.engine.load import _same_layout
+
+    current = _layout().to_json()
+    assert current["context_parallel_size"] == 1
+    older = {k: v for k, v in current.items() if k != "context_parallel_size"}
+    assert _same_layout(older, current)
+    assert not _same_layout(older, {**current, "context_parallel_size": 2})
+    assert not _same_layout({**current, "context_parallel_size": 2}, current)
