@@ -111,7 +111,8 @@ def get_batch(data_iterator, vp_stage=None):
 
 def _on_this_context_parallel_rank(batch):
     """This rank's two load-balanced chunks of every sequence (megatron's own split); 0.19's
-    get_batch_on_this_cp_rank takes is_hybrid_cp and the group, 0.17's the batch alone."""
+    get_batch_on_this_cp_rank takes is_hybrid_cp and the group; earlier releases (0.16.1's, seen)
+    the batch and an optional group, which defaults to megatron's CP group."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
