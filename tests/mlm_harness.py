@@ -71,19 +71,30 @@ class Run:
 
 
 def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout: int = 600,
-        kill_after_iteration: int = None, base: list = BASE, as_script: bool = False) -> Run:
+        kill_after_iteration: int = None, base: list = BASE, as_script: bool = False,
+        hosts: list = None, kill_when=None) -> Run:
     """Train `base` + `extra` to `iters` in `nproc` CPU processes with pretrain_gpt_ucp.py (or,
     `as_script`, the GPT script through `python -m megatron_ucp.megatron_lm`); with
     `kill_after_iteration`, SIGTERM the whole process group once that iteration's loss is
     logged, as Slurm signals a job step (torchrun itself then exits 1, its SignalException;
-    the workers save and exit)."""
+    the workers save and exit); with `kill_when` (a test of the losses so far), SIGKILL torchrun
+    and its workers once it holds (a lost node). `hosts`: the host name each rank pretends
+    (tests/pretend_host.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "loss.jsonl").unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
     entry = ["-m", "megatron_ucp.megatron_lm", "--cpu", str(GPT_SCRIPT)] if as_script else [str(ENTRY), "--cpu"]
+    if hosts:
+        assert len(hosts) == nproc and not as_script
+        entry = [str(REPO / "tests" / "pretend_host.py")] + entry
+        env["UCP_TEST_HOSTS"] = ",".join(hosts)
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), *entry] + base + extra + [
         "--train-iters", str(iters), "--loss-log", str(workdir / "loss.jsonl")]
+    if kill_when is not None:
+        from elastic_harness import kill_node
+
+        kill_after_iteration = -1
     if kill_after_iteration is None:
         proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
         return Run(proc.returncode, proc.stdout + proc.stderr, workdir)
@@ -92,6 +103,9 @@ def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout
                             start_new_session=True)
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
+        if kill_when is not None and kill_when(read_losses(workdir)):
+            kill_node(proc)
+            break
         if kill_after_iteration in read_losses(workdir):
             os.killpg(proc.pid, signal.SIGTERM)
             break

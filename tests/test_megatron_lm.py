@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 
@@ -180,6 +181,34 @@ def test_elastic_resumes_on_the_surviving_node(python, reference, tmp_path):
     assert max_delta(reference["losses"], losses, range(1, N + 1)) <= TOL
     print(f"\nkilled after iteration {before[-1][0]}, resumed from {resumed_from}; "
           f"{r['after_kill']:.1f} s from the kill to the end")
+
+
+# -- the local checkpoint tier (docs/elastic.md "The local tier"): Megatron-LM's flags for its own
+# local checkpoints select the project's tier with --ckpt-format universal --
+
+def test_local_tier_restores_a_lost_nodes_job_on_another_layout(python, reference, tmp_path):
+    """4 processes on 2 pretended nodes (TP2 x DP2, --elastic) save locally every 2 iterations
+    with one replica on the other node (--replication-factor 2) and persistently every 10; they
+    are SIGKILLed after iteration 7, node1's tier is deleted, and 2 processes on node0 (TP2 x DP1)
+    restore iteration 6 from node0's pieces and node1's replicas: 1 iteration lost, not 7."""
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    argv = TP2 + DIST + UNIVERSAL + ["--elastic", "--save", str(ckpt), "--save-interval", "10", "--load", str(ckpt),
+                                     "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
+                                     str(local), "--non-persistent-save-interval", "2", "--replication",
+                                     "--replication-jump", "2", "--replication-factor", "2"]
+    complete = [local / node / "iter_0000006" / "COMPLETE" for node in ("node0", "node1")]
+    job = run(python, tmp_path / "job", 4, argv, N, hosts=["node0", "node0", "node1", "node1"],
+              kill_when=lambda losses: 7 in losses and all(p.exists() for p in complete))
+    assert max(job.losses()) < N, "the job finished before it was killed"
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()  # no persistent checkpoint yet
+    shutil.rmtree(local / "node1")  # the lost node's memory
+    r = run(python, tmp_path / "restart", 2, argv, N, hosts=["node0", "node0"]).check()
+    assert "local checkpoint tier: restored iteration 6 saved on 4 ranks from node0" in r.output, r.output[-4000:]
+    assert "persistent: none" in r.output
+    assert min(r.losses()) == 7
+    assert max_delta(reference["losses"], r.losses(), range(7, N + 1)) <= TOL
+    print(f"\nwork lost: {max(job.losses()) - 6} iteration(s) from the local tier, "
+          f"{max(job.losses())} without the tier (no persistent checkpoint before iteration 10)")
 
 
 # -- context parallelism: CP ranks are replicas in sharded_state_dict (the third replica coordinate

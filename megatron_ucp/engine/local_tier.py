@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_ucp.engine import local_plan
 from megatron_ucp.engine.collective import all_true, run_everywhere
 from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot
-from megatron_ucp.errors import ConfigError
+from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.tensor_entry import STATES
 from megatron_ucp.mcore import rng
@@ -29,6 +29,22 @@ from megatron_ucp.mcore.model_map import local_tensors
 
 KEPT = 2  # complete local iterations kept per node
 CPU = torch.device("cpu")
+
+
+def tolerating_save_failure(args, fn) -> None:
+    """fn(), a persistent save; with a local tier (and without --exit-on-save-failure) its
+    SaveError (raised on every rank, nothing committed, the earlier checkpoints as they were)
+    is a warning: training goes on, the local tier holds its state, the next interval saves
+    again (a full or unreachable shared file system must not kill a healthy job)."""
+    try:
+        fn()
+    except SaveError as e:
+        if args is None or not getattr(args, "local_ckpt_dir", None) or args.exit_on_save_failure:
+            raise
+        if dist.get_rank() == 0:
+            print(f" warning: persistent save failed, training goes on (the local tier holds its "
+                  f"state; the next --save-interval tries again; --exit-on-save-failure stops "
+                  f"instead): {e}", flush=True)
 
 
 def _gib(n: int) -> str:

@@ -39,7 +39,8 @@ def install(cpu: bool = False) -> None:
         if cpu and not _INSTALLED["cpu"]:
             raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")
         return
-    from megatron_ucp.megatron_lm import checkpoint, elastic, flags, fsdp_flags, loss_log, trainer_fixes
+    from megatron_ucp.megatron_lm import (checkpoint, elastic, flags, fsdp_flags, local_tier, loss_log,
+                                         trainer_fixes)
 
     compat.apply()
     trainer_fixes.apply()
@@ -49,6 +50,7 @@ def install(cpu: bool = False) -> None:
         cpu_mode.enable()
     flags.install(cpu)
     elastic.install()
+    local_tier.install()  # after elastic: its validate_args runs first
     fsdp_flags.install()
     checkpoint.install()
     loss_log.install()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ucp.engine.collective import run_everywhere
+from megatron_ucp.engine.local_tier import tolerating_save_failure
 from megatron_ucp.format.folder import MANIFEST, TRACKER, iteration_dir, read_tracker
 from megatron_ucp.megatron_lm.flags import UNIVERSAL
 from megatron_ucp.megatron_lm.patching import replace_everywhere
@@ -129,6 +130,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             checkpointing_context, *rest)
     if args.ckpt_format != UNIVERSAL:
         return original(*call, non_persistent_ckpt=non_persistent_ckpt, **kwargs)
+    if non_persistent_ckpt and getattr(args, "local_ckpt_dir", None):  # the local tier (local_tier.py)
+        from megatron_ucp.megatron_lm import local_tier
+
+        return local_tier.save(args, true_vocab_size(args), iteration, model, optimizer, opt_param_scheduler,
+                               _progress(args, num_floating_point_operations_so_far))
     if non_persistent_ckpt or _rerun_pending():
         if not non_persistent_ckpt:
             _print(" a re-run is pending: this checkpoint is megatron's torch_dist (it holds per-rank "
@@ -142,18 +148,22 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     ft.on_checkpointing_start()
     weights_only = args.no_save_optim  # as Megatron-LM: neither optimizer nor scheduler
     _print(f" saving universal checkpoint at iteration {iteration:7d} to {args.save}")
-    result = save_universal(args.save, iteration, model, None if weights_only else optimizer,
-                            None if weights_only else opt_param_scheduler,
-                            vocab_size=true_vocab_size(args),
-                            consumed_samples=args.consumed_train_samples, args=vars(args),
-                            keep_last=args.keep_last, async_save=bool(args.async_save),
-                            save_rng=not args.no_save_rng,
-                            progress=_progress(args, num_floating_point_operations_so_far))
+
+    def persistent():
+        result = save_universal(args.save, iteration, model, None if weights_only else optimizer,
+                                None if weights_only else opt_param_scheduler,
+                                vocab_size=true_vocab_size(args),
+                                consumed_samples=args.consumed_train_samples, args=vars(args),
+                                keep_last=args.keep_last, async_save=bool(args.async_save),
+                                save_rng=not args.no_save_rng,
+                                progress=_progress(args, num_floating_point_operations_so_far))
+        if args.async_save:
+            _PENDING["save"] = result
+        else:
+            _print(f"  successfully saved universal checkpoint from iteration {iteration:7d} to {args.save}")
+
+    tolerating_save_failure(args, persistent)  # with a local tier: a warning, training goes on
     ft.on_checkpointing_end(is_async_finalization=False)
-    if args.async_save:
-        _PENDING["save"] = result
-    else:
-        _print(f"  successfully saved universal checkpoint from iteration {iteration:7d} to {args.save}")
 
 
 def finish_pending_save(blocking: bool = True) -> None:
@@ -168,8 +178,10 @@ def finish_pending_save(blocking: bool = True) -> None:
         if not done.item():
             return
     _PENDING.pop("save")
-    committed = pending.wait()
-    _print(f"  successfully saved universal checkpoint (in the background) to {committed}")
+    committed = []
+    tolerating_save_failure(_args(), lambda: committed.append(pending.wait()))
+    if committed:
+        _print(f"  successfully saved universal checkpoint (in the background) to {committed[0]}")
 
 
 def _gloo_group():
@@ -181,6 +193,10 @@ def _gloo_group():
 
 def maybe_finalize_async_save(blocking=False, *rest, **kwargs):
     finish_pending_save(blocking=blocking)
+    if blocking:  # before an exit: the local tier's save in flight too
+        from megatron_ucp.megatron_lm import local_tier
+
+        local_tier.wait()
     return _ORIGINAL["maybe_finalize_async_save"](blocking, *rest, **kwargs)
 
 
@@ -200,8 +216,6 @@ def _reseed(args, iteration: int) -> None:
 
 
 def _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, iteration):
-    from megatron.core.num_microbatches_calculator import update_num_microbatches
-
     from megatron_ucp.api import load_universal
 
     args = _args()
@@ -216,6 +230,13 @@ def _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, iterati
                             reseed=lambda it: _reseed(args, it), read_policy=args.ckpt_read_policy)
     if not load_optim and (args.fp16 or args.bf16) and optimizer is not None:
         optimizer.reload_model_params()  # the main params from the loaded weights, as megatron does
+    return _resume_from(args, result, load_dir, finetune)
+
+
+def _resume_from(args, result, load_dir, finetune=False):
+    """Megatron-LM's bookkeeping after a load: (iteration, FLOPs so far) for the trainer."""
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
+
     checkpointing = _megatron("checkpointing")
     checkpointing.set_checkpoint_version(3.0)
     if finetune:
@@ -240,6 +261,10 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     original = _ORIGINAL["load_checkpoint"]
     load_dir = getattr(args, load_arg)
     step = getattr(args, "ckpt_step", None)
+    if getattr(args, "local_ckpt_dir", None) and load_arg == "load" and not args.finetune:
+        restored = _restore_local(args, ddp_model, optimizer, opt_param_scheduler, load_dir, step)
+        if restored is not None:
+            return restored
     target = run_everywhere(universal_target, load_dir, step)
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if target is None and pretrained and not os.path.lexists(os.path.join(load_dir or "", TRACKER)):
@@ -256,6 +281,29 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
         with _Format(args, "torch_dist"):  # no checkpoint: megatron's message and its fresh start
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
     return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *rest, **kwargs)
+
+
+def _persistent_iteration(load_dir, step) -> int:
+    """The iteration --load (and --ckpt-step) designate, in any format; -1 when none."""
+    if step is not None:
+        return step
+    try:
+        return read_tracker(load_dir) if load_dir and os.path.lexists(os.path.join(load_dir, TRACKER)) else -1
+    except Exception:  # 'release' or unreadable: megatron's loader says what it makes of it
+        return -1
+
+
+def _restore_local(args, ddp_model, optimizer, opt_param_scheduler, load_dir, step):
+    """(iteration, FLOPs) restored from the local tier when it holds a sound iteration newer
+    than --load's checkpoint, else None: the persistent tier serves."""
+    from megatron_ucp.megatron_lm import local_tier
+
+    newer_than = run_everywhere(_persistent_iteration, load_dir, step)
+    result = local_tier.restore(args, true_vocab_size(args), ddp_model, optimizer, opt_param_scheduler, newer_than,
+                                reseed=lambda it: _reseed(args, it))
+    if result is None:
+        return None
+    return _resume_from(args, result, f"the local tier ({args.local_ckpt_dir})")
 
 
 def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):

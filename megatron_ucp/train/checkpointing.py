@@ -8,7 +8,8 @@ import time
 
 import torch.distributed as dist
 
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError, SaveError
+from megatron_ucp.engine.local_tier import tolerating_save_failure
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 from megatron_ucp.mcore import saved_args
 from megatron_ucp.mcore.flag_validation import keeps_saved_padding
@@ -38,22 +39,6 @@ def finish_pending_save(state, args=None) -> None:
     if state.pending_save is not None:
         pending, state.pending_save = state.pending_save, None
         tolerating_save_failure(args, pending.wait)
-
-
-def tolerating_save_failure(args, fn) -> None:
-    """fn(), a persistent save; with a local tier (and without --exit-on-save-failure) its
-    SaveError (raised on every rank, nothing committed, the earlier checkpoints as they were)
-    is a warning: training goes on, the local tier holds its state, the next interval saves
-    again (a full or unreachable shared file system must not kill a healthy job)."""
-    try:
-        fn()
-    except SaveError as e:
-        if args is None or not args.local_ckpt_dir or args.exit_on_save_failure:
-            raise
-        if dist.get_rank() == 0:
-            print(f" warning: persistent save failed, training goes on (the local tier holds its "
-                  f"state; the next --save-interval tries again; --exit-on-save-failure stops "
-                  f"instead): {e}", flush=True)
 
 
 def save(args, state, iteration: int, consumed: int, sync: bool = False) -> None:
