@@ -219,9 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-ckpt-check-loss", action="store_true",
                    help="local tier: a non-finite first loss after a local restore sets that "
                         "iteration aside and stops, so that the restart resumes from --load")
-    g.add_argument("--exit-on-save-failure", action="store_true",
-                   help="with a local tier, a failed persistent save stops training (default: a "
-                        "warning, and the next interval saves again)")
 
     g = p.add_argument_group("elastic training")
     g.add_argument("--elastic", action="store_true",

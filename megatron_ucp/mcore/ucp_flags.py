@@ -16,3 +16,6 @@ def add_universal_flags(group) -> None:
                             "rank reads all it holds (faster where the replicas share a node, whose "
                             "page cache serves them one read); 'auto' (default): once where a replica "
                             "group spans nodes, else per rank")
+    group.add_argument("--exit-on-save-failure", action="store_true",
+                       help="with a local checkpoint tier, a failed persistent save stops training "
+                            "(default: a warning, and the next interval saves again)")

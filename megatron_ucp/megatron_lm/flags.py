@@ -39,9 +39,6 @@ def add_arguments(parser, cpu: bool = False):
     group.add_argument("--loss-log", default=None,
                        help="append one JSON line per iteration here: its loss over the global "
                             "batch and the learning rate its update used")
-    group.add_argument("--exit-on-save-failure", action="store_true",
-                       help="with the local tier (--non-persistent-ckpt-type local): a failed persistent "
-                            "save stops the job (else a warning, and the next interval tries again)")
     group.add_argument("--cpu", action="store_true",
                        help="train on CPU processes over gloo, with the local layer spec and no "
                             "fused kernels by default (read from the command line at start)")
