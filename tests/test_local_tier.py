@@ -197,6 +197,37 @@ def test_piece_checksum_is_over_every_byte(tmp_path):
             local_piece.read_piece(str(tmp_path), 3, 1)
 
 
+def test_a_fifo_in_the_tier_is_a_bad_copy_not_a_hang(tmp_path):
+    """A FIFO in place of a piece, its sidecar or a COMPLETE marker: the piece is refused by name
+    (IntegrityError: the restart takes another copy), the marker's iteration not listed, and no
+    read blocks (a FIFO without a writer would hang open() or read())."""
+    import os
+
+    import numpy as np
+
+    from megatron_ucp.errors import IntegrityError
+    from megatron_ucp.format import local_piece
+    from megatron_ucp.format.layout import Region
+
+    data = local_piece.encode([("w", Region("", (0,), (4,), 0, 4))], [{"param": np.zeros(4, np.float32)}], {})
+    local_piece.write_piece(str(tmp_path), 3, 1, data)
+    local_piece.mark_complete(str(tmp_path), 3, 2)
+    path = Path(local_piece.piece_path(str(tmp_path), 3, 1))
+    for victim in (path, path.with_suffix(".json")):
+        saved = victim.read_bytes()
+        victim.unlink()
+        os.mkfifo(victim)
+        with pytest.raises(IntegrityError, match=f"{path}: unreadable .*is a FIFO, expected a regular file"):
+            local_piece.read_piece(str(tmp_path), 3, 1)
+        victim.unlink()
+        victim.write_bytes(saved)
+    assert local_piece.listed_size(str(tmp_path), 3, 1) == (len(data), None)
+    marker = tmp_path / "iter_0000003" / local_piece.COMPLETE
+    marker.unlink()
+    os.mkfifo(marker)
+    assert local_piece.complete_iterations(str(tmp_path)) == {}
+
+
 def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
     """A node dir without room for 3 iterations of its pieces and replicas: one line with the
     numbers; with room: nothing."""

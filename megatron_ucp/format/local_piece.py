@@ -21,14 +21,16 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from megatron_ucp.errors import FormatError, IntegrityError
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError
 from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
 from megatron_ucp.format.folder import iteration_dir, iteration_of
 from megatron_ucp.format.layout import Region
+from megatron_ucp.format.safe_files import read_bounded, read_json
 
 COMPLETE = "COMPLETE"
 RESTORE = "restore"  # a node's assembled universal checkpoint, while a restart loads it
 MAX_HEADER_BYTES = 256 * 2**20
+MAX_SIDECAR_BYTES = 4096  # a sidecar or COMPLETE marker: a few integers as JSON
 
 
 def piece_path(node_dir: str, iteration: int, rank: int) -> str:
@@ -75,19 +77,27 @@ def write_piece(node_dir: str, iteration: int, rank: int, data: bytes) -> None:
                       {"rank": rank, "iteration": iteration, "bytes": len(data), "crc32": zlib.crc32(data)})
 
 
+def _sidecar(path: str) -> dict:
+    """A piece's sidecar record (regular file, bounded, strict JSON): {"bytes": int, "crc32": int}."""
+    record = read_json(path[: -len(".safetensors")] + ".json", "local-tier sidecar", MAX_SIDECAR_BYTES)
+    for key in ("bytes", "crc32"):
+        if not isinstance(record.get(key), int) or isinstance(record.get(key), bool) or record[key] < 0:
+            raise FormatError(f"{path}: its sidecar's {key!r} is {record.get(key)!r}, expected an integer >= 0")
+    return record
+
+
 def read_piece(node_dir: str, iteration: int, rank: int) -> bytes:
-    """A piece's bytes, checked against its sidecar: IntegrityError naming the file otherwise."""
+    """A piece's bytes, checked against its sidecar: IntegrityError naming the file otherwise.
+    Only regular files are read (a FIFO would hang the restart), the piece no further than the
+    size its sidecar records."""
     path = piece_path(node_dir, iteration, rank)
-    side = path[: -len(".safetensors")] + ".json"
     try:
-        with open(side) as f:
-            record = json.load(f)
-        with open(path, "rb") as f:
-            data = f.read()
-    except (OSError, ValueError) as e:
+        record = _sidecar(path)
+        data = read_bounded(path, "local-tier piece", record["bytes"])
+    except (FormatError, IncompleteCheckpointError) as e:
         raise IntegrityError(f"{path}: unreadable ({e})") from None
-    if not isinstance(record, dict) or len(data) != record.get("bytes"):
-        raise IntegrityError(f"{path}: {len(data)} bytes, its sidecar says {record.get('bytes')}")
+    if len(data) != record["bytes"]:
+        raise IntegrityError(f"{path}: {len(data)} bytes, its sidecar says {record['bytes']}")
     if zlib.crc32(data) != record.get("crc32"):
         raise IntegrityError(f"{path}: CRC-32 {zlib.crc32(data):08x} differs from the saved "
                              f"{record.get('crc32', 0):08x}")
@@ -110,9 +120,8 @@ def complete_iterations(node_dir: str) -> Dict[int, int]:
         if it is None or not os.path.isfile(marker):
             continue
         try:
-            with open(marker) as f:
-                world = json.load(f)["world"]
-        except (OSError, ValueError, KeyError, TypeError):
+            world = read_json(marker, "local-tier COMPLETE marker", MAX_SIDECAR_BYTES)["world"]
+        except (FormatError, IncompleteCheckpointError, KeyError):
             continue
         if isinstance(world, int) and world > 0:
             out[it] = world
@@ -137,10 +146,8 @@ def listed_size(node_dir: str, iteration: int, rank: int) -> Tuple[int, Optional
     the piece itself is checked when it is read (read_piece)."""
     path = piece_path(node_dir, iteration, rank)
     try:
-        with open(path[: -len(".safetensors")] + ".json") as f:
-            record = json.load(f)
-        return int(record["bytes"]), None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        return _sidecar(path)["bytes"], None
+    except (FormatError, IncompleteCheckpointError) as e:
         return 0, f"{path}: sidecar unreadable ({e})"
 
 
