@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_ucp.megatron_lm import loss_log  # the --loss-log both trainers write
+
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--vocab-size", "500", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--lr", "5e-3", "--lr-decay-style", "constant", "--seed", "7",
@@ -100,7 +102,7 @@ def pretrain(work: Path, name: str, nproc: int, argv: list, timeout: int = 240) 
     if proc.returncode != 0:
         raise RuntimeError(f"{name} exited {proc.returncode} after {time.time() - start:.0f} s; "
                            f"last output:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return {r["iteration"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+    return loss_log.read(log)
 
 
 def stand_in_gap() -> str | None:
@@ -141,8 +143,7 @@ def same_layout(work, name, argv, tol=GPU_SAME_LAYOUT_TOL) -> str:
 def cpu_and_back(work) -> str:
     bf16 = ["--bf16", "--use-distributed-optimizer"]
     gpu = str(work / "te_bf16")  # saved by check 1
-    reference = {r["iteration"]: r["loss"] for r in
-                 map(json.loads, (work / "te_bf16_full.jsonl").read_text().splitlines())}
+    reference = loss_log.read(work / "te_bf16_full.jsonl")
     cpu_ckpt = str(work / "cpu_tp2")
     # --exit-interval, not a shorter --train-iters: Megatron-LM's scheduler checks it on load.
     cpu = pretrain(work, "cpu_tp2", 2, ["--cpu", "--tensor-model-parallel-size", "2", *bf16,
@@ -168,8 +169,7 @@ def context_parallel(work) -> str:
 
     if not ships_megatron_lm():
         return "SKIP  context parallelism is checked through Megatron-LM's trainer (megatron-core >= 0.17)"
-    reference = {r["iteration"]: r["loss"] for r in
-                 map(json.loads, (work / "te_bf16_full.jsonl").read_text().splitlines())}
+    reference = loss_log.read(work / "te_bf16_full.jsonl")
     resume = ["--bf16", "--use-distributed-optimizer", "--context-parallel-size", "2", "--train-iters", str(N),
               "--load", str(work / "te_bf16"), "--ckpt-step", str(K), "--load-universal"]
     deltas = {"CPU CP2": delta(reference, pretrain(work, "cpu_cp2", 2, ["--cpu", *resume], timeout=300))}

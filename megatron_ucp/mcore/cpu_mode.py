@@ -333,14 +333,17 @@ class CpuCoreAttention(torch.nn.Module):
 
 class LocalOrContextParallelAttention:
     """The local spec's core attention in CPU mode: megatron's own DotProductAttention, or
-    CpuCoreAttention where context parallelism is on (dot_product_attention.py:58 refuses it in
-    0.19.2; transformer-engine's attention, the GPU path, takes it)."""
+    CpuCoreAttention where that refuses the layer and transformer-engine's attention (the GPU
+    path) takes it: context parallelism (dot_product_attention.py:58 in 0.19.2) and MLA's
+    separate key and value head sizes (multi_latent_attention.py:214, `k_channels`/`v_channels`,
+    which DotProductAttention does not take)."""
 
     def __new__(cls, *args, **kwargs):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         config = kwargs["config"] if "config" in kwargs else args[0]
-        chosen = CpuCoreAttention if config.context_parallel_size > 1 else DotProductAttention
+        own_head_sizes = kwargs.get("k_channels") is not None or kwargs.get("v_channels") is not None
+        chosen = CpuCoreAttention if config.context_parallel_size > 1 or own_head_sizes else DotProductAttention
         return chosen(*args, **kwargs)
 
 

@@ -78,25 +78,6 @@ def _stand_in_optimizer():
     fused_adam_standin.installed().__enter__()
 
 
-def _mla_attention():
-    """gpt_layer_specs.py (get_gpt_layer_local_submodules, 0.19.2:359): the local spec's MLA layers
-    take DotProductAttention, which refuses MLA's k_channels/v_channels (its one head size); they
-    get the CPU core attention that takes both (cpu_mode.CpuCoreAttention), as the own loop's do.
-    The local block and MoE specs build their layers through this function, by its module name."""
-    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    original = specs.get_gpt_layer_local_submodules
-
-    def local_submodules(*args, **kwargs):
-        from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-        submodules = original(*args, **kwargs)
-        if submodules.self_attention.module is MLASelfAttention:
-            submodules.self_attention.submodules.core_attention = cpu_mode.CpuCoreAttention
-        return submodules
-
-    specs.get_gpt_layer_local_submodules = local_submodules
-
-
 def enable() -> None:
     """Turn the trainer's CPU mode on in this process (idempotent through cpu_mode)."""
     if cpu_mode.is_enabled():
@@ -116,4 +97,3 @@ def enable() -> None:
     _stream_connections_as_flags_want(arguments)
     _no_cuda_generator()
     _stand_in_optimizer()
-    _mla_attention()

@@ -56,7 +56,8 @@ def choose(args) -> elastic.Choice:
 
 def install() -> None:
     """Choose the layout in `validate_args`, which every release calls before the parallel state
-    exists (0.17: initialize_megatron; 0.18 and 0.19: parse_and_validate_args)."""
+    exists (0.17.0 initialize.py:88 in initialize_megatron; 0.19.2 arguments.py:107 in
+    parse_and_validate_args), after `--use-checkpoint-args`."""
     from megatron_ucp.megatron_lm.patching import replace_everywhere
 
     arguments = importlib.import_module("megatron.training.arguments")

@@ -88,7 +88,8 @@ def restore(args, vocab_size, model, optimizer, scheduler, newer_than: int, rese
 
 def install() -> None:
     """Take the flags in `validate_args`, before megatron's own checks of them (0.19.2
-    arguments.py:399 and 1813-1817 want nvidia-resiliency-ext for a local type)."""
+    arguments.py:399 and 1813-1817 want nvidia-resiliency-ext for a local type, and
+    training.py:1193 builds its LocalCheckpointManager from the same flag)."""
     import functools
     import importlib
 

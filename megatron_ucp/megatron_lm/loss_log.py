@@ -41,6 +41,8 @@ def read(path) -> dict:
 
 
 def install() -> None:
+    """Wrap `training.train_step` (0.19.2 training.py:2336, its reduced losses at 2548; 0.17.0
+    1783 and 1933), which the training loop calls by its module name."""
     training = importlib.import_module("megatron.training.training")
     original = training.train_step
 
