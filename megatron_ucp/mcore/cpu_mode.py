@@ -379,18 +379,6 @@ def _patch_fsdp2_mesh():
         fsdp2.DeviceMesh = _CpuDeviceMesh
 
 
-def use_cpu_mla_attention(spec) -> None:
-    """Give every MLA layer in a layer or block spec (and what an MTP spec copies from it) the
-    CpuCoreAttention above; changes the spec in place."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
-    for layer in layers:
-        attention = layer.submodules.self_attention
-        if attention.module is MLASelfAttention:
-            attention.submodules.core_attention = CpuCoreAttention
-
-
 def enable() -> None:
     """Turn on CPU mode in this process (idempotent). Call before building models."""
     global _ENABLED

@@ -120,13 +120,9 @@ def transformer_config(args) -> TransformerConfig:
 def layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
     """The layer spec of one model chunk. MoE models take megatron's per-layer block spec, which
     places MoE and dense layers by `moe_layer_freq` and picks sequential or grouped experts.
-    On CPU, MLA's core attention is cpu_mode's (megatron's local one has one head size)."""
-    spec = _megatron_layer_spec(args, config, vp_stage)
-    if args.cpu and args.multi_latent_attention:
-        from megatron_ucp.mcore import cpu_mode
-
-        cpu_mode.use_cpu_mla_attention(spec)
-    return spec
+    On CPU, MLA's core attention is cpu_mode's: the local spec asks cpu_mode for it
+    (LocalOrContextParallelAttention; megatron's local one has one head size)."""
+    return _megatron_layer_spec(args, config, vp_stage)
 
 
 def _megatron_layer_spec(args, config: TransformerConfig, vp_stage: Optional[int]):
