@@ -11,6 +11,8 @@ import importlib
 
 import torch
 
+from megatron_ucp.mcore import cpu_fsdp
+
 _ENABLED = False
 
 # megatron-core modules that create tensors with a literal device='cuda' on our training path.
@@ -71,6 +73,22 @@ class _TorchOnCpu:
         return getattr(torch, name)
 
 
+class _DoneEvent:
+    """An event on a CPU 'stream': the work before it is done when it is recorded."""
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def record(self, *args, **kwargs):
+        pass
+
+
 class _DummyStream:
     """CPU ops are synchronous: a stream that orders nothing is exact."""
 
@@ -87,7 +105,7 @@ class _DummyStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _DoneEvent()  # Megatron-FSDP waits on them (param_and_grad_buffer.py:3945/4251)
 
 
 def _patch_torch_cuda():
@@ -389,5 +407,6 @@ def enable() -> None:
     _patch_rng_tracker()
     _patch_local_attention()
     _patch_fsdp2_mesh()
+    cpu_fsdp.enable(_TorchOnCpu, _CpuDeviceMesh)
     _fork_checkpoint_queue()
     _ENABLED = True

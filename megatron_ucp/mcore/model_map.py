@@ -20,6 +20,7 @@ Two names of one tensor are made one: the local spec keeps a MoE layer's pre-MLP
 `pre_mlp_layernorm.*`; the atomic name is the latter (docs/FORMAT.md).
 """
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -29,6 +30,7 @@ from megatron.core import parallel_state
 
 from megatron_ucp.errors import LayoutError
 from megatron_ucp.format.layout import Box, Rule, atomic_shape_from_local, box_pieces, boxes_of
+from megatron_ucp.mcore import megatron_fsdp
 from megatron_ucp.mcore.fsdp2 import local_shard, unevenly_sharded
 from megatron_ucp.mcore.optimizer_state import Fragment, fragments as optimizer_fragments
 
@@ -110,6 +112,15 @@ def _global_name(default_key: str, singleton: list, where: str) -> str:
     return names.pop()
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view one storage; Megatron-FSDP frees its unsharded parameters'
+    storage between uses (the data pointer then raises), whose identity still answers."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except RuntimeError:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
 def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
     """Each ShardedTensor as a box of the global tensor at its offset in `tensor`'s elements;
     together they must cover the tensor once."""
@@ -121,7 +132,7 @@ def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
         if getattr(st, "flattened_range", None) is not None or not data.is_contiguous():
             raise LayoutError(f"{where}: megatron maps a non-contiguous part of it ({st.key!r}); universal "
                               "checkpoints map contiguous parts only")
-        if data.device.type != "meta" and data.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        if data.device.type != "meta" and not _same_storage(data, tensor):
             raise LayoutError(f"{where}: megatron's sharded tensor {st.key!r} is a copy, not a view of it")
         start = data.storage_offset() - tensor.storage_offset()
         if start < 0 or start + data.numel() > tensor.numel():
@@ -202,12 +213,18 @@ def _legacy_grouped_weights(gpt, singleton: dict) -> list:
     return out
 
 
-def _mapping(gpt, vocab_size: int) -> tuple:
+def _mapping(gpt, vocab_size: int, chunk=None) -> tuple:
     """(geometry, legacy grouped weights) of one model chunk, computed once: megatron's
-    description of a model does not change while it trains."""
+    description of a model does not change while it trains. `chunk`: the wrapped chunk, whose
+    Megatron-FSDP puts the module's own parameters in place for megatron to describe."""
     cached = getattr(gpt, "_ucp_geometry", None)
     if cached is not None and cached[0] == vocab_size:
         return cached[1], cached[2]
+    with megatron_fsdp.module_parameters(chunk):
+        return _described(gpt, vocab_size)
+
+
+def _described(gpt, vocab_size: int) -> tuple:
     uneven = unevenly_sharded(gpt.named_parameters())
     if uneven:
         raise LayoutError(f"torch FSDP2 pads the shards of {uneven[:3]}, which megatron's sharded state dict "
@@ -272,6 +289,27 @@ def legacy_grouped_tensors(names: List[str], which: str, param, fragment, gated:
     return out
 
 
+def _held_part(t: LocalTensor, shard) -> LocalTensor:
+    """A Megatron-FSDP parameter as this rank holds it: the model weights of its shard (rows
+    [start, stop) of the parameter, megatron's boxes cut to them, its optimizer fragment
+    rebased), or all of them where the weights are not sharded (the fragment as is)."""
+    param = t.param
+    if not shard.sharded_weights:
+        return LocalTensor(t.name, shard.weights.view(param.shape), t.atomic_shape, t.boxes, t.padded_rows,
+                           t.writes, t.fragment, t.stateless, expert=t.expert)
+    row = math.prod(param.shape[1:])  # from the shape: the storage may be freed
+    rows = (shard.stop - shard.start) // row
+    f = t.fragment
+    if f is not None:
+        if (f.start, f.stop) != (shard.start, shard.stop):
+            raise LayoutError(f"{t.name}: Megatron-FSDP's optimizer holds elements [{f.start}, {f.stop}) of it, "
+                              f"its weight buffer [{shard.start}, {shard.stop})")
+        f = Fragment(0, f.stop - f.start, f.main, f.exp_avg, f.exp_avg_sq, f.main_is_model, f.store)
+    return LocalTensor(t.name, shard.weights.view((rows,) + tuple(param.shape[1:])), t.atomic_shape,
+                       megatron_fsdp.restrict(t.boxes, row, shard.start, shard.stop), t.padded_rows, t.writes, f,
+                       t.stateless, expert=t.expert)
+
+
 def unwrap(chunk: torch.nn.Module):
     """The GPTModel inside megatron's DDP and Float16Module wrappers."""
     from megatron.core.models.gpt import GPTModel
@@ -288,11 +326,13 @@ def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = Fal
     out = []
     for chunk in model_chunks:
         gpt = unwrap(chunk)
-        found, grouped = _mapping(gpt, vocab_size)
+        found, grouped = _mapping(gpt, vocab_size, chunk)
+        held = megatron_fsdp.shards(chunk)
         for g in found:
-            out.append(LocalTensor(g.name, g.tensor, g.atomic_shape, g.boxes, g.padded_rows, g.writes,
-                                   None if g.stateless else fragments.get(g.tensor), g.stateless,
-                                   expert=not getattr(g.tensor, "allreduce", True)))
+            t = LocalTensor(g.name, g.tensor, g.atomic_shape, g.boxes, g.padded_rows, g.writes,
+                            None if g.stateless else fragments.get(g.tensor), g.stateless,
+                            expert=not getattr(g.tensor, "allreduce", True))
+            out.append(_held_part(t, held[id(g.tensor)]) if id(g.tensor) in held else t)
         gated = bool(gpt.config.gated_linear_unit)
         for which, param, names, num_local in grouped:
             out += legacy_grouped_tensors(names, which, param, fragments.get(param), gated, num_local)

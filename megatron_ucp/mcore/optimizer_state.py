@@ -150,6 +150,29 @@ def _distributed(opt, for_load: bool) -> Dict[torch.nn.Parameter, Fragment]:
     return out
 
 
+def _megatron_fsdp(opt) -> Dict[torch.nn.Parameter, Fragment]:
+    """Megatron-FSDP's optimizer steps the main-weight shards (uneven DTensors whose
+    `orig_param` is the module's parameter and `megatron_fsdp_slice` the flat elements of it
+    they hold, param_and_grad_buffer.py:3296-3330 in 0.19.2); its moments are shaped alike."""
+    inner, out = opt.optimizer, {}
+    for group in inner.param_groups:
+        for p in group["params"]:
+            local = local_shard(p)
+            where = getattr(p, "megatron_fsdp_slice", None) or slice(0, local.numel())
+            state = inner.state[p]
+            moments = {k: state.get(k) for k in ("exp_avg", "exp_avg_sq")}
+            _need_fp32({"param": local, **{k: local_shard(v) if v is not None else None
+                                            for k, v in moments.items()}}, p.orig_param)
+            start = where.start if where.stop > where.start else 0
+            out[p.orig_param] = Fragment(start, start + local.numel(), local.view(-1),
+                                         _flat(moments["exp_avg"]), _flat(moments["exp_avg_sq"]), False)
+    return out
+
+
+def _megatron_fsdp_run(opt) -> bool:
+    return bool(getattr(getattr(opt, "ddp_config", None), "use_megatron_fsdp", False))
+
+
 def _need_fp32(tensors: dict, model_param) -> None:
     """TE's store_param_remainders keeps only the low 16 bits of each fp32 master (int16)."""
     for name, t in tensors.items():
@@ -202,7 +225,9 @@ def fragments(optimizer, for_load: bool = False) -> Dict[torch.nn.Parameter, Fra
             continue
         allocate(opt, for_load)
         kind = type(opt).__name__
-        if kind == "DistributedOptimizer":
+        if kind == "DistributedOptimizer" and _megatron_fsdp_run(opt):
+            found = _megatron_fsdp(opt)
+        elif kind == "DistributedOptimizer":
             found = _distributed(opt, for_load)
         elif kind == "Float16OptimizerWithFloat16Params":
             found = _float16(opt)

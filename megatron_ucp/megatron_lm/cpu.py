@@ -13,6 +13,8 @@ import torch
 
 from megatron_ucp.mcore import cpu_mode
 
+_HELD = []  # context managers entered for the life of the process
+
 # Trainer modules that make tensors with a literal device='cuda' on the training path.
 _MODULES_WITH_CUDA_LITERALS = (
     "megatron.training.training",  # start-time all-reduce (1131/1137), loss dict (2613/2884), exit-duration flag (3298)
@@ -75,7 +77,10 @@ def _stand_in_optimizer():
     whose contract the stand-in keeps (mcore/fused_adam_standin.py), for the whole process."""
     from megatron_ucp.mcore import fused_adam_standin
 
-    fused_adam_standin.installed().__enter__()
+    # Held for the life of the process: a context manager left unreferenced is closed, and its
+    # exit puts torch's AdamW back (the stand-in went unused in the trainer until this was held).
+    _HELD.append(fused_adam_standin.installed())
+    _HELD[-1].__enter__()
 
 
 def enable() -> None:

@@ -15,11 +15,12 @@ from megatron_ucp.mcore.ucp_flags import add_universal_flags
 UNIVERSAL = "universal"
 
 # --cpu: what CPU processes lack, as defaults (a flag on the command line still wins): TE's
-# layers, apex's and TE's fused kernels, NCCL. Listed in the README beside the own loop's defaults.
+# layers, apex's and TE's fused kernels, NCCL (and its PREMUL_SUM, which Megatron-FSDP's
+# gradient reduction fuses its division into by default). Listed in the README beside the own loop's defaults.
 CPU_DEFAULTS = dict(distributed_backend="gloo", transformer_impl="local",
                     gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                     bias_gelu_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-                    no_persist_layer_norm=True)
+                    no_persist_layer_norm=True, gradient_reduce_div_fusion=False)
 
 
 def add_arguments(parser, cpu: bool = False):
