@@ -279,6 +279,31 @@ def test_fsdp2_resumes_on_tp2_with_the_distributed_optimizer_and_back(python, tm
     assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
 
 
+# -- Megatron-FSDP (--use-megatron-fsdp): each data-parallel rank holds uneven row shards of the
+# parameters, cut from flat buffers (some ranks none of a tensor), and steps the main-weight
+# shards; we map both (mcore/megatron_fsdp.py). Untied embeddings, as FSDP2; SwiGLU puts the
+# shard boundaries inside the packed fc1. --
+
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--untie-embeddings-and-output-weights", "--swiglu"]
+
+
+def test_megatron_fsdp_resumes_on_pp2_with_the_distributed_optimizer_and_back(python, tmp_path):
+    """Megatron-FSDP (DP2) saves at K -> PP2 with the distributed optimizer resumes it, saving
+    every 2 -> Megatron-FSDP resumes that at K + 2; both within TOL of the Megatron-FSDP run."""
+    pp2 = ["--untie-embeddings-and-output-weights", "--swiglu"] + PP2 + DIST
+    ref = run(python, tmp_path / "ref", 2, MEGATRON_FSDP + UNIVERSAL + ["--save", str(tmp_path / "ckpt"),
+                                                                        "--save-interval", str(K)], N).check()
+    moved = run(python, tmp_path / "pp2", 2, pp2 + UNIVERSAL + [
+        "--load", str(tmp_path / "ckpt"), "--ckpt-step", str(K), "--save", str(tmp_path / "pp2_ckpt"),
+        "--save-interval", "2"], N).check()
+    assert min(moved.losses()) == K + 1
+    assert max_delta(ref.losses(), moved.losses(), range(K + 1, N + 1)) <= TOL
+    back = run(python, tmp_path / "back", 2, MEGATRON_FSDP + UNIVERSAL + [
+        "--load", str(tmp_path / "pp2_ckpt"), "--ckpt-step", str(K + 2)], N).check()
+    assert min(back.losses()) == K + 3
+    assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
+
+
 # -- the project's own loop (megatron-core 0.16.1) and Megatron-LM's trainer share checkpoints --
 
 # The same model, optimizer and data in both: megatron-core's GPTDataset over a small corpus

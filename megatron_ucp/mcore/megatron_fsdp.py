@@ -41,22 +41,43 @@ def megatron_fsdp_module(chunk) -> Optional[torch.nn.Module]:
     return None
 
 
+def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module.get_submodule(owner)._parameters[leaf] = param
+
+
+def _meta_twin(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A meta-device parameter of p's shape, strides and megatron attributes."""
+    twin = torch.nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"),
+                              requires_grad=p.requires_grad)
+    twin.__dict__.update(p.__dict__)
+    return twin
+
+
 @contextlib.contextmanager
 def module_parameters(chunk):
-    """The module's own parameters in place for the block, whatever its state: Megatron-FSDP
+    """Yields {id(stand-in): module parameter}: for the block, the module's parameters are
+    meta-device twins of its own (unsharded) ones, for megatron to describe. Megatron-FSDP
     swaps them for the optimizer's main-weight shards after each step and before any
-    `state_dict()` (megatron_fsdp.py:1145, 1375), and megatron describes those as even shards
-    of the whole tensor, which they are not. Its flag is held, so its hook leaves them."""
+    `state_dict()` (megatron_fsdp.py:1145, 1375), which megatron describes as even shards of
+    the whole tensor, which they are not; and it frees their storage between uses, which
+    megatron's SwiGLU description reads (mlp.py:477). Its flag is held, so its hook leaves them."""
     fsdp = megatron_fsdp_module(chunk)
     if fsdp is None:
-        yield
+        yield {}
         return
     was_distributed = fsdp.is_param_fsdp_distributed
     fsdp._replace_param_with_raw_if_needed()
+    raw = dict(fsdp.module.named_parameters())
+    twins = {name: _meta_twin(p) for name, p in raw.items()}
+    for name, twin in twins.items():
+        _set_parameter(fsdp.module, name, twin)
     fsdp.is_param_fsdp_distributed = True  # the state_dict pre-hook's "already done"
     try:
-        yield
+        yield {id(twins[name]): p for name, p in raw.items()}
     finally:
+        for name, p in raw.items():
+            _set_parameter(fsdp.module, name, p)
         fsdp.is_param_fsdp_distributed = False
         if was_distributed:
             fsdp._replace_param_with_distributed_if_needed()

@@ -20,6 +20,7 @@ Two names of one tensor are made one: the local spec keeps a MoE layer's pre-MLP
 `pre_mlp_layernorm.*`; the atomic name is the latter (docs/FORMAT.md).
 """
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -112,15 +113,6 @@ def _global_name(default_key: str, singleton: list, where: str) -> str:
     return names.pop()
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors view one storage; Megatron-FSDP frees its unsharded parameters'
-    storage between uses (the data pointer then raises), whose identity still answers."""
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except RuntimeError:
-        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-
-
 def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
     """Each ShardedTensor as a box of the global tensor at its offset in `tensor`'s elements;
     together they must cover the tensor once."""
@@ -132,7 +124,7 @@ def _boxes(tensor: torch.Tensor, sharded: list, where: str) -> Tuple[Box, ...]:
         if getattr(st, "flattened_range", None) is not None or not data.is_contiguous():
             raise LayoutError(f"{where}: megatron maps a non-contiguous part of it ({st.key!r}); universal "
                               "checkpoints map contiguous parts only")
-        if data.device.type != "meta" and not _same_storage(data, tensor):
+        if data.device.type != "meta" and data.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
             raise LayoutError(f"{where}: megatron's sharded tensor {st.key!r} is a copy, not a view of it")
         start = data.storage_offset() - tensor.storage_offset()
         if start < 0 or start + data.numel() > tensor.numel():
@@ -220,11 +212,18 @@ def _mapping(gpt, vocab_size: int, chunk=None) -> tuple:
     cached = getattr(gpt, "_ucp_geometry", None)
     if cached is not None and cached[0] == vocab_size:
         return cached[1], cached[2]
-    with megatron_fsdp.module_parameters(chunk):
-        return _described(gpt, vocab_size)
+    with megatron_fsdp.module_parameters(chunk) as own:
+        found, grouped = _described(gpt, vocab_size, cache=not own)
+    if own:  # Megatron-FSDP: the geometry of its own parameters, described through their twins
+        if grouped:
+            raise LayoutError("Megatron-FSDP with megatron's legacy grouped-GEMM experts is not mapped; use "
+                              "the sequential or transformer-engine grouped experts")
+        found = [dataclasses.replace(g, tensor=own.get(id(g.tensor), g.tensor)) for g in found]
+        gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
+    return found, grouped
 
 
-def _described(gpt, vocab_size: int) -> tuple:
+def _described(gpt, vocab_size: int, cache: bool = True) -> tuple:
     uneven = unevenly_sharded(gpt.named_parameters())
     if uneven:
         raise LayoutError(f"torch FSDP2 pads the shards of {uneven[:3]}, which megatron's sharded state dict "
@@ -237,7 +236,8 @@ def _described(gpt, vocab_size: int) -> tuple:
     missing = [n for n, p in gpt.named_parameters() if id(local_shard(p)) not in mapped]
     if missing:
         raise LayoutError(f"megatron's sharded state dict does not describe parameters {missing[:5]}")
-    gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
+    if cache:
+        gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
     return found, grouped
 
 
