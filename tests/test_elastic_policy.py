@@ -162,6 +162,46 @@ def test_experts_shrink_ep():
     assert choose(args, 1).layout.ep == 1
 
 
+def _with_context_parallelism(world, tp=2, pp=2, cp=2, seq_length=16, global_batch=16):
+    """Megatron-LM's trainer's layouts (the own loop's parser has no CP): pure policy."""
+    dims = elastic.ModelDims(num_layers=4, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
+                             seq_length=seq_length)
+    return elastic.choose_layout(world, dims, elastic.Layout(tp=tp, pp=pp, cp=cp), elastic.Batch(1, global_batch))
+
+
+def test_context_parallelism_is_kept_while_it_fits_and_shrinks_last():
+    described = {w: _with_context_parallelism(w).layout.describe(_with_context_parallelism(w).dp)
+                 for w in (16, 8, 4, 2, 1)}
+    assert described == {16: "TP2 PP2 CP2 DP2", 8: "TP2 PP2 CP2 DP1", 4: "TP2 PP1 CP2 DP1",
+                         2: "TP1 PP1 CP2 DP1", 1: "TP1 PP1 DP1"}
+    assert _with_context_parallelism(6, global_batch=24).layout.describe(3) == "TP1 PP1 CP2 DP3"
+    with pytest.raises(ConfigError, match=r"CP <= 2 fits world size 6.*TP x PP x CP x DP"):
+        _with_context_parallelism(6)
+
+
+def test_context_parallelism_needs_the_sequence_to_be_a_multiple_of_2cp():
+    """megatron's rule (arguments.py:1295 in 0.19.2): CP4 on 12 tokens does not fit; CP2 does."""
+    choice = _with_context_parallelism(4, tp=1, pp=1, cp=4, seq_length=12)
+    assert (choice.layout.cp, choice.dp) == (2, 2)
+    assert "2 x CP" in elastic._shrink_reason(4, elastic.ModelDims(4, 4, 4, 64, 12), elastic.Layout(cp=4),
+                                              elastic.Batch(1, 16))
+
+
+def test_context_parallelism_is_written_into_the_trainers_arguments():
+    import argparse
+
+    args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                              context_parallel_size=2, expert_model_parallel_size=1,
+                              expert_tensor_parallel_size=None, num_layers_per_virtual_pipeline_stage=None)
+    requested = elastic.layout_from_args(args)
+    assert requested.cp == 2
+    elastic.apply_to_args(args, _with_context_parallelism(2))
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == (1, 1, 2)
+    assert elastic.saved_description({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                      "context_parallel_size": 2, "data_parallel_size": 1,
+                                      "world_size": 2}) == "TP1 PP1 DP1 CP2 on 2 ranks"
+
+
 def test_no_layout_fits_names_the_world_size():
     args = parsed(["--mock-data", "--num-layers", "4", "--num-attention-heads", "4", "--hidden-size", "32",
                    "--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "8"])

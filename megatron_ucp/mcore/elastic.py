@@ -3,11 +3,14 @@
 The policy, a pure function of the world size, the model's dimensions, the requested layout and
 the batch sizes (see docs/elastic.md):
 
-1. The requested layout (TP, PP, EP, expert TP, VPP) is kept when it fits; data parallelism
-   DP = world / (TP x PP) absorbs the change of world size.
-2. Otherwise pipeline parallelism shrinks first, then tensor parallelism: candidates are tried
-   in the order (TP descending, PP descending) with TP <= requested TP and PP <= requested PP,
-   and the first that fits wins. Nothing ever grows beyond what was requested.
+1. The requested layout (TP, PP, CP, EP, expert TP, VPP) is kept when it fits; data
+   parallelism DP = world / (TP x PP x CP) absorbs the change of world size.
+2. Otherwise pipeline parallelism shrinks first, then tensor parallelism, then context
+   parallelism: candidates are tried in the order (CP descending, TP descending, PP descending)
+   with each <= its requested size, and the first that fits wins. Nothing ever grows beyond what
+   was requested. CP goes last because a long-context run's sequence is the one size the job
+   cannot change: CP is what fits its attention's activations (megatron: CP needs the sequence
+   length to be a multiple of 2 x CP).
 3. Within a candidate, EP (then expert TP) is the largest value <= requested that fits, and the
    virtual pipeline (layers per virtual stage) is kept when it still divides the layers of a
    stage, else dropped (it changes the schedule, not the model). An uneven pipeline split
@@ -49,11 +52,14 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallelism (Megatron-LM's trainer; the own loop has none)
     etp: int | None = None  # expert tensor parallelism; None: follows tp
     vpp_layers: int | None = None  # --num-layers-per-virtual-pipeline-stage
 
     def describe(self, dp: int | None = None) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
         if dp is not None:
             parts.append(f"DP{dp}")
         if self.ep > 1 or self.etp is not None:
@@ -115,11 +121,14 @@ def pipeline_split_problem(num_layers: int, pp: int, first: int | None, last: in
 
 def _shrink_reason(world_size: int, dims: ModelDims, lay: Layout, batch: Batch) -> str | None:
     """Why `lay` does not fit (None when it does): the checks of args.validate that a layout can fail."""
-    tp, pp, ep = lay.tp, lay.pp, lay.ep
-    if tp < 1 or pp < 1 or ep < 1:
+    tp, pp, ep, cp = lay.tp, lay.pp, lay.ep, lay.cp
+    if tp < 1 or pp < 1 or ep < 1 or cp < 1:
         return "sizes must be >= 1"
-    if world_size % (tp * pp):
-        return f"TP x PP = {tp * pp} does not divide the world size"
+    if world_size % (tp * pp * cp):
+        return (f"TP x PP x CP = {tp * pp * cp}" if cp > 1 else f"TP x PP = {tp * pp}") + \
+            " does not divide the world size"
+    if cp > 1 and dims.seq_length % (2 * cp):
+        return f"CP {cp} needs the sequence length ({dims.seq_length}) to be a multiple of 2 x CP"
     for name, value in (("attention heads", dims.num_attention_heads),
                         ("query groups", dims.num_query_groups), ("FFN size", dims.ffn_hidden_size)):
         if value % tp:
@@ -130,7 +139,7 @@ def _shrink_reason(world_size: int, dims: ModelDims, lay: Layout, batch: Batch) 
                                            dims.last_stage_layers)
     if split_problem is not None:
         return split_problem
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     if batch.global_batch_size % (batch.micro_batch_size * dp):
         return (f"global batch {batch.global_batch_size} is not a multiple of micro-batch "
                 f"{batch.micro_batch_size} x DP {dp}")
@@ -165,12 +174,13 @@ def _candidates(requested: Layout) -> Iterator[Layout]:
     """Every layout the policy may take, best first (see the module's docstring)."""
     etps = [None] if requested.etp is None else range(requested.etp, 0, -1)
     vpps = [requested.vpp_layers] + ([None] if requested.vpp_layers is not None else [])
-    for tp in range(requested.tp, 0, -1):
-        for pp in range(requested.pp, 0, -1):
-            for ep in range(requested.ep, 0, -1):
-                for etp in etps:
-                    for vpp in vpps:
-                        yield replace(requested, tp=tp, pp=pp, ep=ep, etp=etp, vpp_layers=vpp)
+    for cp in range(requested.cp, 0, -1):
+        for tp in range(requested.tp, 0, -1):
+            for pp in range(requested.pp, 0, -1):
+                for ep in range(requested.ep, 0, -1):
+                    for etp in etps:
+                        for vpp in vpps:
+                            yield replace(requested, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp_layers=vpp)
 
 
 def choose_layout(world_size: int, dims: ModelDims, requested: Layout, batch: Batch) -> Choice:
@@ -181,15 +191,17 @@ def choose_layout(world_size: int, dims: ModelDims, requested: Layout, batch: Ba
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
     for lay in _candidates(requested):
         if fits(world_size, dims, lay, batch):
-            dp = world_size // (lay.tp * lay.pp)
+            dp = world_size // (lay.tp * lay.pp * lay.cp)
             return Choice(world_size, lay, dp,
                           batch.global_batch_size // (batch.micro_batch_size * dp), requested)
-    why = _shrink_reason(world_size, dims, replace(requested, tp=1, pp=1, ep=1,
+    why = _shrink_reason(world_size, dims, replace(requested, tp=1, pp=1, cp=1, ep=1,
                                                   etp=None if requested.etp is None else 1,
                                                   vpp_layers=None), batch)
     raise ConfigError(
-        f"--elastic: no layout with TP <= {requested.tp} and PP <= {requested.pp} fits world size "
-        f"{world_size} (even TP1 PP1: {why}); world sizes that fit are TP x PP x DP with DP "
+        f"--elastic: no layout with TP <= {requested.tp}, PP <= {requested.pp}"
+        + (f" and CP <= {requested.cp}" if requested.cp > 1 else "") + f" fits world size "
+        f"{world_size} (even TP1 PP1: {why}); world sizes that fit are TP x PP"
+        + (" x CP" if requested.cp > 1 else "") + " x DP with DP "
         f"dividing global batch / micro-batch ({batch.global_batch_size} / {batch.micro_batch_size})")
 
 
@@ -215,7 +227,7 @@ def _bias_linear(args) -> bool:
 
 def layout_from_args(args) -> Layout:
     return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                  ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                  cp=getattr(args, "context_parallel_size", None) or 1, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
                   vpp_layers=args.num_layers_per_virtual_pipeline_stage)
 
 
@@ -227,6 +239,8 @@ def apply_to_args(args, choice: Choice) -> None:
     args.expert_model_parallel_size = lay.ep
     args.expert_tensor_parallel_size = lay.etp
     args.num_layers_per_virtual_pipeline_stage = lay.vpp_layers
+    if hasattr(args, "context_parallel_size"):  # Megatron-LM's trainer
+        args.context_parallel_size = lay.cp
 
 
 def saved_description(saved_layout: dict | None) -> str:
@@ -236,6 +250,8 @@ def saved_description(saved_layout: dict | None) -> str:
     g = saved_layout.get
     text = (f"TP{g('tensor_model_parallel_size', '?')} PP{g('pipeline_model_parallel_size', '?')} "
             f"DP{g('data_parallel_size', '?')}")
+    if (g("context_parallel_size") or 1) > 1:
+        text += f" CP{g('context_parallel_size')}"
     if (g("expert_model_parallel_size") or 1) > 1:
         text += f" EP{g('expert_model_parallel_size')}"
     return f"{text} on {g('world_size', '?')} ranks"

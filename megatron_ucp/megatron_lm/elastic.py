@@ -1,8 +1,8 @@
 """`--elastic` in Megatron-LM's trainer: the layout is chosen for the world size the job starts
 with, before megatron validates the arguments and builds its parallel state.
 
-The policy is the own loop's (mcore/elastic.py: keep TP/PP where they fit and let DP absorb the
-change, else shrink PP then TP; the global batch is kept). The checkpoint resumed is the latest
+The policy is the own loop's (mcore/elastic.py: keep TP/PP/CP where they fit and let DP absorb
+the change, else shrink PP, then TP, then context parallelism; the global batch is kept). The checkpoint resumed is the latest
 in `--load`, loaded universally on the new layout by the plug-in's load_checkpoint; a job with
 none yet starts fresh, as megatron does.
 """
