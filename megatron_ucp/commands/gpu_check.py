@@ -12,7 +12,9 @@ trainer with the plug-in, on 0.16 the project's own loop) and resumes it:
 3. fp16 with the dynamic loss scaler: same-layout resume, scaler state in the manifest;
 4. the GPU checkpoint to 2 CPU processes (local spec, TP2 over gloo) and back to the GPU;
 5. (megatron-core >= 0.17) the check-1 checkpoint resumed with context parallelism 2: on 2 CPU
-   processes, and with transformer-engine's attention over NCCL where the machine has two GPUs.
+   processes, and with transformer-engine's attention over NCCL where the machine has two GPUs;
+6. (megatron-core >= 0.17) an untied bf16 GPU checkpoint resumed by Megatron-FSDP: on the GPU
+   (its buffers, TE's layers, NCCL) and on 2 CPU processes (uneven row shards over gloo).
 
 Prints one line per check and a summary; exits non-zero if any failed. Needs a machine with a
 CUDA torch, transformer-engine and megatron-core installed (nothing is installed here).
@@ -182,6 +184,27 @@ def context_parallel(work) -> str:
     return f"max |dloss| {found}"
 
 
+def fully_sharded(work) -> str:
+    """A bf16 checkpoint with untied embeddings (Megatron-FSDP needs them) resumed by Megatron-FSDP
+    through Megatron-LM's trainer: on the GPU, and on 2 CPU processes (DP2)."""
+    from megatron_ucp.mcore.compat import ships_megatron_lm
+
+    if not ships_megatron_lm():
+        return "SKIP  Megatron-FSDP is checked through Megatron-LM's trainer (megatron-core >= 0.17)"
+    untied = ["--bf16", "--untie-embeddings-and-output-weights", "--train-iters", str(N)]
+    ckpt = str(work / "te_bf16_untied")
+    reference = pretrain(work, "te_bf16_untied_full", 1, untied + [
+        "--use-distributed-optimizer", "--save", ckpt, "--save-interval", str(K)])
+    resume = untied + ["--use-megatron-fsdp", "--load", ckpt, "--ckpt-step", str(K), "--load-universal"]
+    deltas = {"GPU Megatron-FSDP": delta(reference, pretrain(work, "gpu_megatron_fsdp", 1, resume)),
+              "CPU Megatron-FSDP DP2": delta(reference, pretrain(work, "cpu_megatron_fsdp", 2, ["--cpu", *resume],
+                                                                 timeout=300))}
+    found = ", ".join(f"{k} {v:.3g}" for k, v in deltas.items())
+    if max(deltas.values()) > GPU_CPU_TOL:
+        raise RuntimeError(f"max |dloss| {found} > {GPU_CPU_TOL}")
+    return f"max |dloss| {found}"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--dry-run-on-cpu"]:
@@ -215,6 +238,7 @@ def main(argv=None) -> int:
         ("GPU checkpoint -> 2 CPU processes (local spec, TP2, gloo) -> GPU", lambda: cpu_and_back(work)),
         ("GPU checkpoint -> context parallelism 2 (CPU; TE over NCCL on two GPUs)",
          lambda: context_parallel(work)),
+        ("GPU checkpoint -> Megatron-FSDP (GPU; 2 CPU processes)", lambda: fully_sharded(work)),
     ]
     print(f"gpu-check: every run is {trainer_name()}", flush=True)
     failed = 0
