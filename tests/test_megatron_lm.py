@@ -288,8 +288,9 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--untie-embeddings-and-output-weights",
 
 
 def test_megatron_fsdp_resumes_on_pp2_with_the_distributed_optimizer_and_back(python, tmp_path):
-    """Megatron-FSDP (DP2) saves at K -> PP2 with the distributed optimizer resumes it, saving
-    every 2 -> Megatron-FSDP resumes that at K + 2; both within TOL of the Megatron-FSDP run."""
+    """Megatron-FSDP (DP2, its default strategy: weights sharded too) saves at K -> PP2 with the
+    distributed optimizer resumes it, saving every 2 -> Megatron-FSDP sharding the optimizer
+    only resumes that at K + 2; both within TOL of the Megatron-FSDP run."""
     pp2 = ["--untie-embeddings-and-output-weights", "--swiglu"] + PP2 + DIST
     ref = run(python, tmp_path / "ref", 2, MEGATRON_FSDP + UNIVERSAL + ["--save", str(tmp_path / "ckpt"),
                                                                         "--save-interval", str(K)], N).check()
@@ -298,8 +299,10 @@ def test_megatron_fsdp_resumes_on_pp2_with_the_distributed_optimizer_and_back(py
         "--save-interval", "2"], N).check()
     assert min(moved.losses()) == K + 1
     assert max_delta(ref.losses(), moved.losses(), range(K + 1, N + 1)) <= TOL
+    # Back under the strategy that shards the optimizer state only: whole weights, sharded main weights.
     back = run(python, tmp_path / "back", 2, MEGATRON_FSDP + UNIVERSAL + [
-        "--load", str(tmp_path / "pp2_ckpt"), "--ckpt-step", str(K + 2)], N).check()
+        "--data-parallel-sharding-strategy", "optim", "--load", str(tmp_path / "pp2_ckpt"),
+        "--ckpt-step", str(K + 2)], N).check()
     assert min(back.losses()) == K + 3
     assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
 

@@ -91,10 +91,7 @@ def shards(chunk) -> Dict[int, Shard]:
     out = {}
     for group in fsdp.param_and_grad_buffer.parameter_groups:
         weights, main = group.model_weight_buffer, group.main_weight_buffer
-        if weights is None:
-            raise LayoutError(f"Megatron-FSDP keeps no model weight buffer for {fsdp.param_to_name[group.params[0]]} "
-                              "(its 'no_shard' strategy); universal checkpoints map the sharded strategies")
-        sharded = weights if weights.is_data_distributed else main
+        sharded = weights if weights is not None and weights.is_data_distributed else main
         for item_id, param in enumerate(group.params):
             if sharded is None:
                 start, stop = 0, param.numel()
@@ -102,7 +99,10 @@ def shards(chunk) -> Dict[int, Shard]:
                 start, stop = sharded._get_item_slice_in_shard(item_id)
                 if start >= stop:
                     start = stop = 0
-            out[id(param)] = Shard(start, stop, weights.get_item(item_id), bool(weights.is_data_distributed))
+            if weights is None:  # 'no_shard' without main weights: the module's parameter is all of it
+                out[id(param)] = Shard(start, stop, param.data.view(-1), False)
+            else:
+                out[id(param)] = Shard(start, stop, weights.get_item(item_id), bool(weights.is_data_distributed))
     return out
 
 
