@@ -81,13 +81,15 @@ class DcpReader:
                                             f"{info.offset + info.length}")
         return raw
 
-    def _load(self, raw: bytes, where: str):
+    def _load(self, raw: bytes, where: str, stand_ins=()):
         from megatron_ucp.convert.safe_pickle import torch_load
 
-        return torch_load(raw, where)
+        return torch_load(raw, where, stand_ins=stand_ins)
 
-    def read_object(self, fqn: str):
-        return self._load(self._raw(fqn, None), f"{self.dir}: {fqn!r}")
+    def read_object(self, fqn: str, stand_ins=()):
+        """A sharded object; `stand_ins` as safe_pickle.torch_load takes them (inert classes in
+        place of another program's)."""
+        return self._load(self._raw(fqn, None), f"{self.dir}: {fqn!r}", stand_ins)
 
     def read_box(self, fqn: str, offsets, sizes) -> np.ndarray:
         """The fp32 box [offsets, offsets + sizes) of global tensor `fqn`."""

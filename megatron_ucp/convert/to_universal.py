@@ -1,8 +1,9 @@
-"""Convert a megatron-core `torch_dist` or Megatron-LM legacy `torch` checkpoint into a universal one.
+"""Convert a megatron-core `torch_dist`, Megatron-FSDP `fsdp_dtensor` or Megatron-LM legacy `torch` checkpoint into a universal one.
 
-Both are streamed one atomic tensor at a time in this process, with no GPU, no process group
+Each is streamed one atomic tensor at a time in this process, with no GPU, no process group
 and no process of the source layout: legacy per-rank `torch` checkpoints (`mp_rank_*` folders)
-by megatron_ucp/convert/legacy.py, `torch_dist` ones by megatron_ucp/convert/torch_dist.py.
+by megatron_ucp/convert/legacy.py, `torch_dist` ones by megatron_ucp/convert/torch_dist.py,
+`fsdp_dtensor` ones by megatron_ucp/convert/fsdp_dtensor.py.
 
 `--via-megatron` (torch_dist only) takes the other road: it starts CPU processes in the
 checkpoint's layout, loads it with megatron's own loader and saves universally. It reads every
@@ -64,8 +65,14 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
         _refuse_universal(iteration_dir(root, it))
     if found is None:
         raise IncompleteCheckpointError(f"{iteration_dir(root, it)}: holds no checkpoint (no .metadata, "
-                                        "*.distcp, common.pt or mp_rank_* folders); expected a torch_dist or "
-                                        "legacy torch checkpoint")
+                                        "*.distcp, common.pt or mp_rank_* folders); expected a torch_dist, "
+                                        "fsdp_dtensor or legacy torch checkpoint")
+    if found == "fsdp_dtensor":
+        if via_megatron:
+            raise ConfigError("--via-megatron reads torch_dist checkpoints; an fsdp_dtensor one is streamed")
+        from megatron_ucp.convert import fsdp_dtensor
+
+        return fsdp_dtensor.convert(iteration_dir(root, it), output_dir, extra_argv, workers, progress)
     if is_legacy(iteration_dir(root, it)):
         from megatron_ucp.convert import legacy as legacy_convert
 
@@ -109,7 +116,7 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="convert_to_universal", description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="torch_dist or legacy torch save folder (or one iter_ folder)")
+    p.add_argument("--input", required=True, help="torch_dist, fsdp_dtensor or legacy torch save folder (or one iter_ folder)")
     p.add_argument("--output", required=True, help="where the universal checkpoint goes")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--nproc", type=int, default=None, help="default: the checkpoint's world size")

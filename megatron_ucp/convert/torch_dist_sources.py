@@ -71,18 +71,19 @@ def from_buckets(entry: Atomic, reader: DcpReader, state: str) -> Dict[str, np.n
     return parts
 
 
-def from_boxes(entry: Atomic, reader: DcpReader, prefix: str) -> Dict[str, np.ndarray]:
-    """The whole (TP = 1) tensor from its boxes under `prefix`, split into tensor and padding."""
+def from_boxes(entry: Atomic, reader: DcpReader, prefix: str, suffix: str = "") -> Dict[str, np.ndarray]:
+    """The whole (TP = 1) tensor from its boxes, each read at `prefix + key + suffix`, split into
+    tensor and padding."""
     rows = entry.padded_rows or (entry.shape[0] if entry.shape else None)
     full_shape = ((rows,) + tuple(entry.shape[1:])) if entry.shape else ()
     if len(entry.boxes) == 1:  # one box holds the whole parameter: use it as read
         b = entry.boxes[0]
-        whole = reader.read_box(prefix + b.key, b.offsets, b.sizes).reshape(full_shape)
+        whole = reader.read_box(prefix + b.key + suffix, b.offsets, b.sizes).reshape(full_shape)
     else:
         whole = np.empty(full_shape, dtype=np.float32)
         flat = whole.reshape(-1)
         for b in entry.boxes:
-            flat[b.dest:b.dest + b.numel] = reader.read_box(prefix + b.key, b.offsets, b.sizes).reshape(-1)
+            flat[b.dest:b.dest + b.numel] = reader.read_box(prefix + b.key + suffix, b.offsets, b.sizes).reshape(-1)
     if not entry.padding_rows:
         return {"": whole}
     return {"": whole[:entry.shape[0]], PADDING: whole[entry.shape[0]:]}

@@ -15,9 +15,9 @@ import shutil
 import uuid
 from typing import Optional
 
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, UCPError
 from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
-from megatron_ucp.format.safe_files import MAX_TRACKER_BYTES, read_bounded
+from megatron_ucp.format.safe_files import MAX_TRACKER_BYTES, open_regular, read_bounded
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "ucp.json"  # in each iteration folder: what the checkpoint holds (manifest.py)
@@ -43,9 +43,44 @@ def found_format(directory: str):
     if is_legacy(directory):
         return "torch", "mp_rank_* folders"
     names = os.listdir(directory)
+    if is_fsdp_dtensor(directory, names):
+        return "fsdp_dtensor", f".metadata with {FSDP_DTENSOR_MARK.decode()}* keys"
     if ".metadata" in names or any(n.endswith(".distcp") for n in names):
         return "torch_dist", ".metadata / *.distcp files"
     return None, None
+
+
+# Megatron-FSDP's `fsdp_dtensor` checkpoints are plain torch DCP: no megatron `metadata.json`
+# (megatron-core's torch_dist writes one, and 0.16 a common.pt), and the model's keys are its
+# module paths under the wrapper, `model.module.<path>` (megatron/training/checkpointing.py).
+FSDP_DTENSOR_MARK = b"model.module."
+_SCAN_BLOCK = 1 << 20
+_SCAN_LIMIT = 1 << 30  # the DCP metadata bound of the converters' reader
+
+
+def is_fsdp_dtensor(directory: str, names=None) -> bool:
+    """A Megatron-FSDP `fsdp_dtensor` checkpoint: `.metadata` alone (no metadata.json, no
+    common.pt) naming `model.module.*` keys. Found in the pickle's bytes (a key is stored as
+    its UTF-8 text), so that this needs no torch; the converter then reads it properly."""
+    names = os.listdir(directory) if names is None else names
+    if ".metadata" not in names or "metadata.json" in names or "common.pt" in names:
+        return False
+    try:
+        fd = open_regular(os.path.join(directory, ".metadata"), "torch DCP metadata", directory)
+    except (UCPError, OSError):  # not a regular file: whoever reads it names the problem
+        return False
+    try:
+        tail, offset = b"", 0
+        while offset < _SCAN_LIMIT:
+            block = os.pread(fd, _SCAN_BLOCK, offset)
+            if not block:
+                return False
+            if FSDP_DTENSOR_MARK in tail + block:
+                return True
+            tail, offset = block[-len(FSDP_DTENSOR_MARK):], offset + len(block)
+        return False
+    finally:
+        os.close(fd)
 
 
 def iteration_dir(root: str, iteration: int) -> str:

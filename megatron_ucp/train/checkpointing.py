@@ -255,7 +255,8 @@ def load(args, state, reseed=None):
 
 # How each format loads, for the message that names the flag.
 LOAD_FLAGS = {"universal": "--ckpt-format universal (the default) or --load-universal",
-              "torch_dist": "--ckpt-format torch_dist", "torch": "--ckpt-format torch"}
+              "torch_dist": "--ckpt-format torch_dist", "torch": "--ckpt-format torch",
+              "fsdp_dtensor": "Megatron-LM's trainer with --use-megatron-fsdp --ckpt-format fsdp_dtensor"}
 
 
 def check_format(directory: str, wanted: str) -> None:

@@ -1,0 +1,251 @@
+"""Megatron-FSDP `fsdp_dtensor` checkpoints into universal ones (`megatron-ucp convert`).
+
+The pure parts first (keys, group settings, detection, the arguments' stand-ins); then real
+checkpoints of Megatron-LM's trainer (megatron-core >= 0.17, mlm_harness): the converted
+checkpoint resumes on TP2 with the uninterrupted run's losses (fp32, dropout 0), equals a
+direct universal save of the same run file for file (dense fp32, and SwiGLU in bf16: an fp32
+Megatron-FSDP run with --swiglu cannot save fsdp_dtensor on megatron-core 0.19.2, whose
+`handle_swiglu_in_state_dict` looks for a Float16Module level that only 16-bit runs have), and
+damaged or mismatched checkpoints stop the conversion naming the file or key.
+"""
+
+import argparse
+import io
+import os
+import pickle
+import subprocess
+
+import pytest
+
+from harness import REPO
+from megatron_ucp.convert import fsdp_dtensor_keys as keys
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, LayoutError
+from megatron_ucp.format.folder import found_format
+from mlm_harness import max_delta, run, trainer_python
+
+N, K = 10, 4
+TOL = 1e-4
+FSDP = ["--use-megatron-fsdp", "--untie-embeddings-and-output-weights"]  # Megatron-FSDP needs untied embeddings
+SAVE_DTENSOR = ["--ckpt-format", "fsdp_dtensor"]
+SWIGLU_BF16 = ["--swiglu", "--bf16"]
+WHERE = "iter_0000004"
+
+
+# ---------------------------------------------------------------- keys, without megatron
+
+
+def test_wrapped_root_is_the_one_wrapper_prefix_of_a_root():
+    names = ["model.module.decoder.a", "model.module.output_layer.weight", "args",
+             "optimizer.state.module.module.module.decoder.a.exp_avg"]
+    assert keys.wrapped_root(names, keys.MODEL, WHERE) == "model.module."
+    assert keys.wrapped_root(names, keys.STATE, WHERE) == "optimizer.state.module.module.module."
+    assert keys.wrapped_root(names, keys.GROUP_META, WHERE) is None
+    with pytest.raises(FormatError, match=r"different wrapper prefixes \['model.module.', 'model.module.module.'\]"):
+        keys.wrapped_root(names + ["model.module.module.decoder.b"], keys.MODEL, WHERE)
+
+
+def test_box_keys_of_a_whole_parameter_and_of_swiglu_halves():
+    shapes = {"fc1.weight_w": (4, 3), "fc1.weight_v": (4, 3), "proj.weight": (3, 3)}
+    assert keys.box_keys("proj.weight", (3, 3), False, shapes, "model.module.", WHERE) == [("proj.weight", 3, 0)]
+    assert keys.box_keys("fc1.weight", (8, 3), True, shapes, "model.module.", WHERE) == [
+        ("fc1.weight_w", 4, 0), ("fc1.weight_v", 4, 4)]
+
+
+def test_box_keys_name_the_key_that_does_not_fit():
+    shapes = {"fc1.weight_w": (4, 3), "fc1.weight_v": (4, 3), "proj.weight": (3, 3)}
+    with pytest.raises(LayoutError, match=r"'model.module.proj.weight' has shape \[3, 3\], the model built from "
+                                          r"the stored arguments has \[3, 4\]"):
+        keys.box_keys("proj.weight", (3, 4), False, shapes, "model.module.", WHERE)
+    with pytest.raises(LayoutError, match=r"'model.module.fc1.weight_w' has shape \[4, 3\].* has \[5, 3\]"):
+        keys.box_keys("fc1.weight", (10, 3), True, shapes, "model.module.", WHERE)
+    with pytest.raises(LayoutError, match="stored as SwiGLU halves; the stored arguments describe no --swiglu"):
+        keys.box_keys("fc1.weight", (8, 3), False, shapes, "model.module.", WHERE)
+    with pytest.raises(LayoutError, match="'model.module.proj.weight' is stored whole"):
+        keys.box_keys("proj.weight", (3, 3), True, shapes, "model.module.", WHERE)
+    with pytest.raises(IncompleteCheckpointError, match=r"no tensor 'model.module.fc1.weight_v' \(the SwiGLU half"):
+        keys.box_keys("fc1.weight", (8, 3), True, {"fc1.weight_w": (4, 3)}, "model.module.", WHERE)
+    with pytest.raises(IncompleteCheckpointError, match="no tensor 'model.module.norm.weight'"):
+        keys.box_keys("norm.weight", (3,), False, shapes, "model.module.", WHERE)
+
+
+def test_param_groups_one_per_setting_set_in_model_order():
+    decay = {"lr": 5e-3, "weight_decay": 0.01, "wd_mult": 1.0, "step": 4}
+    no_decay = {"lr": 5e-3, "weight_decay": 0.0, "wd_mult": 0.0, "step": 4}
+    metas = {"b.bias": no_decay, "w.weight": decay, "n.weight": no_decay, "v.weight": decay}
+    step, groups = keys.param_groups(metas, WHERE)
+    assert step == 4
+    assert groups == [{"lr": 5e-3, "weight_decay": 0.0, "wd_mult": 0.0},
+                      {"lr": 5e-3, "weight_decay": 0.01, "wd_mult": 1.0}]
+    with pytest.raises(FormatError, match=r"optimizer steps are \[3, 4\]"):
+        keys.param_groups({**metas, "x.weight": {**decay, "step": 3}}, WHERE)
+    with pytest.raises(FormatError, match="x.weight have no 'step'"):
+        keys.param_groups({"x.weight": {"lr": 1.0}}, WHERE)
+
+
+def _iteration_folder(tmp_path, metadata: bytes, *others):
+    d = tmp_path / "iter_0000004"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(metadata)
+    (d / "__0_0.distcp").write_bytes(b"")
+    for name in others:
+        (d / name).write_bytes(b"{}")
+    return d
+
+
+def test_fsdp_dtensor_is_found_by_its_keys_and_the_absence_of_megatrons_files(tmp_path):
+    # The mark across a block boundary of the scan is found too.
+    mark = b"\x00" * ((1 << 20) - 5) + b"model.module.decoder.layers.0.mlp.linear_fc1.weight"
+    assert found_format(str(_iteration_folder(tmp_path / "a", mark)))[0] == "fsdp_dtensor"
+    assert found_format(str(_iteration_folder(tmp_path / "b", mark, "metadata.json")))[0] == "torch_dist"
+    assert found_format(str(_iteration_folder(tmp_path / "c", mark, "common.pt")))[0] == "torch_dist"
+    assert found_format(str(_iteration_folder(tmp_path / "d", b"decoder.layers.0")))[0] == "torch_dist"
+
+
+def test_megatron_lm_arguments_are_read_with_inert_stand_ins():
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_ucp.convert.megatron_args import STAND_INS, EnumValue, plain_args
+    from megatron_ucp.convert.safe_pickle import torch_load
+
+    buf = io.BytesIO()
+    torch.save(argparse.Namespace(attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16, vocab_size=250),
+               buf)
+    # Once megatron-core is imported it marks its enums safe for weights_only itself
+    # (megatron/core/safe_globals.py), and torch may then build its class instead of the stand-in
+    # (by value: no other code): either way the arguments read the same.
+    stored = torch_load(buf.getvalue(), "args", stand_ins=STAND_INS)
+    assert isinstance(stored.attention_backend, (EnumValue, AttnBackend))
+    assert plain_args(stored, "args") == {"attention_backend": "<AttnBackend 5>", "params_dtype": "torch.bfloat16",
+                                          "vocab_size": 250}
+    assert plain_args(argparse.Namespace(b=EnumValue(5)), "args") == {"b": "<EnumValue 5>"}
+    with pytest.raises(FormatError, match="holds list, expected the training arguments"):
+        plain_args([1], "args")
+
+
+# ---------------------------------------------------------------- Megatron-LM's trainer
+
+
+@pytest.fixture(scope="module")
+def python():
+    return trainer_python()
+
+
+def _train(python, work, extra, fmt):
+    return run(python, work / "run", 2, FSDP + extra + ["--ckpt-format", fmt, "--save", str(work / "ckpt"),
+                                                          "--save-interval", str(K)], N).check()
+
+
+@pytest.fixture(scope="module")
+def dense(python, tmp_path_factory):
+    """fp32 Megatron-FSDP over DP2, fsdp_dtensor checkpoints every K iterations."""
+    work = tmp_path_factory.mktemp("dense")
+    return {"losses": _train(python, work, [], "fsdp_dtensor").losses(), "ckpt": work / "ckpt"}
+
+
+def convert(python, source, output, *extra):
+    return subprocess.run([python, "-m", "megatron_ucp.convert.to_universal", "--input", str(source),
+                           "--output", str(output), "--iteration", str(K), "--no-progress", *extra],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+
+
+def converted(python, source, output):
+    r = convert(python, source, output)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return output
+
+
+def _error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("convert_to_universal: error:")]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_megatron_fsdp_save_is_found_as_fsdp_dtensor_for_megatrons_loader_too(dense):
+    from megatron_ucp.megatron_lm.checkpoint import found_format as designated
+
+    assert found_format(str(dense["ckpt"] / "iter_0000004"))[0] == "fsdp_dtensor"
+    assert designated(str(dense["ckpt"]), K) == "fsdp_dtensor"  # handed to megatron's loader as such
+
+
+def test_converted_fsdp_dtensor_resumes_on_tp2_with_the_reference_losses(python, dense, tmp_path):
+    out = converted(python, dense["ckpt"], tmp_path / "ucp")
+    r = run(python, tmp_path / "resume", 2, ["--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
+                                             "2", "--ckpt-format", "universal", "--load", str(out),
+                                             "--ckpt-step", str(K)], N).check()
+    assert sorted(r.losses()) == list(range(K + 1, N + 1))
+    delta = max_delta(dense["losses"], r.losses(), range(K + 1, N + 1))
+    print(f"max |delta loss| over iterations {K + 1}..{N}: {delta:.3g}")
+    assert delta <= TOL
+
+
+def _same_checkpoint(converted_dir, direct_dir):
+    """Every tensor file byte for byte, and the manifest but for the RNG layout (a conversion
+    has no RNG states: world_size null, the loader reseeds)."""
+    from megatron_ucp.format.manifest import read_manifest
+
+    a, b = read_manifest(str(converted_dir)), read_manifest(str(direct_dir))
+    assert sorted(a.tensors) == sorted(b.tensors)
+    for name, entry in a.tensors.items():
+        assert (converted_dir / entry.file).read_bytes() == (direct_dir / b.tensors[name].file).read_bytes(), name
+        assert entry.to_json() == b.tensors[name].to_json(), name
+    for field in ("iteration", "consumed_samples", "architecture", "optimizer", "scheduler", "progress"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert {**a.layout, "world_size": b.layout["world_size"]} == b.layout
+    assert a.layout["world_size"] is None and a.rng_saved is False
+
+
+@pytest.mark.parametrize("extra", [[], SWIGLU_BF16], ids=["dense-fp32", "swiglu-bf16"])
+def test_conversion_equals_a_direct_universal_save_of_the_same_run(python, dense, tmp_path, extra):
+    source = dense["ckpt"]
+    if extra:  # its own fsdp_dtensor run
+        _train(python, tmp_path / "dtensor", extra, "fsdp_dtensor")
+        source = tmp_path / "dtensor" / "ckpt"
+    direct = tmp_path / "direct"
+    _train(python, direct, extra, "universal")
+    out = converted(python, source, tmp_path / "ucp")
+    _same_checkpoint(out / "iter_0000004", direct / "ckpt" / "iter_0000004")
+
+
+@pytest.fixture
+def copy_of(dense, tmp_path):
+    import shutil
+
+    def copy():
+        d = tmp_path / "damaged"
+        shutil.copytree(dense["ckpt"] / "iter_0000004", d / "iter_0000004")
+        return d / "iter_0000004"
+
+    return copy
+
+
+def test_a_truncated_or_missing_data_file_is_named(python, copy_of, tmp_path):
+    d = copy_of()
+    victim = d / "__1_0.distcp"
+    os.truncate(victim, victim.stat().st_size // 2)
+    line = _error(convert(python, d, tmp_path / "out1"))
+    assert "__1_0.distcp" in line and "truncated" in line, line
+    os.remove(victim)
+    line = _error(convert(python, d, tmp_path / "out2"))
+    assert "__1_0.distcp" in line, line
+    assert not any((tmp_path / n).exists() and any((tmp_path / n).glob("iter_*")) for n in ("out1", "out2"))
+
+
+def test_a_tensor_shape_the_stored_arguments_do_not_give_is_named(python, copy_of, tmp_path):
+    import torch  # noqa: F401  (the metadata's classes)
+
+    d = copy_of()
+    meta = pickle.loads((d / ".metadata").read_bytes())  # our own copy of our own fixture
+    key = "model.module.decoder.layers.0.mlp.linear_fc2.weight"
+    meta.state_dict_metadata[key].size = torch.Size([32, 96])
+    (d / ".metadata").write_bytes(pickle.dumps(meta))
+    line = _error(convert(python, d, tmp_path / "out"))
+    assert f"'{key}' has shape [32, 96], the model built from the stored arguments has [32, 128]" in line, line
+
+
+def test_what_is_not_converted_is_refused_by_name(python, dense, tmp_path):
+    line = _error(convert(python, dense["ckpt"], tmp_path / "out", "--", "--num-experts", "4"))
+    assert "mixture-of-experts" in line and "not converted" in line, line
+    line = _error(convert(python, dense["ckpt"], tmp_path / "out", "--via-megatron"))
+    assert "--via-megatron reads torch_dist checkpoints" in line, line
