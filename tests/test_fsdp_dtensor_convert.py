@@ -180,6 +180,18 @@ def test_converted_fsdp_dtensor_resumes_on_tp2_with_the_reference_losses(python,
     assert delta <= TOL
 
 
+def test_an_fsdp_dtensor_checkpoint_resumes_through_megatrons_loader_then_saves_universal(python, dense, tmp_path):
+    """--ckpt-format universal with an fsdp_dtensor checkpoint in --load: megatron's own loader
+    reads it (its optimizer state keyed by parameter names, into FusedAdam's contract), and the
+    job's next saves are universal."""
+    r = run(python, tmp_path / "resume", 2, FSDP + ["--ckpt-format", "universal", "--load", str(dense["ckpt"]),
+                                                   "--ckpt-step", str(K), "--save", str(tmp_path / "ucp"),
+                                                   "--save-interval", "2"], N).check()
+    assert sorted(r.losses()) == list(range(K + 1, N + 1))
+    assert max_delta(dense["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
+    assert (tmp_path / "ucp" / f"iter_{K + 2:07d}" / "ucp.json").is_file()
+
+
 def _same_checkpoint(converted_dir, direct_dir):
     """Every tensor file byte for byte, and the manifest but for the RNG layout (a conversion
     has no RNG states: world_size null, the loader reseeds)."""

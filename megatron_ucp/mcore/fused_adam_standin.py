@@ -111,8 +111,12 @@ class FusedAdamStandIn(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict):
+        """As TE's: the saved groups' parameter ids (indices, or the parameter names megatron's
+        Megatron-FSDP optimizer keeps, distrib_optimizer.py:916) name this optimizer's
+        parameters in order; their states are stored back scaled."""
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = dict(zip(saved, (p for g in self.param_groups for p in g["params"])))
         for index, state in state_dict["state"].items():
             param = params[index]
             self.state[param] = {}
