@@ -307,6 +307,21 @@ def test_megatron_fsdp_resumes_on_pp2_with_the_distributed_optimizer_and_back(py
     assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
 
 
+def test_megatron_fsdp_finetunes_from_the_weights_as_pp2_does(python, tmp_path):
+    """--finetune (weights only, a fresh Adam) into Megatron-FSDP, whose main weights are its own
+    copy (fp32 runs too) that megatron does not refresh from loaded weights: they must be, or
+    its first step starts from the initial weights. Its losses equal PP2's from the same
+    checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    run(python, tmp_path / "ref", 2, MEGATRON_FSDP + UNIVERSAL + ["--save", str(ckpt), "--save-interval", "2"],
+        2).check()
+    finetune = UNIVERSAL + ["--finetune", "--load", str(ckpt)]
+    fsdp = run(python, tmp_path / "fsdp", 2, MEGATRON_FSDP + finetune, 3).check()
+    pp2 = run(python, tmp_path / "pp2", 2, ["--untie-embeddings-and-output-weights", "--swiglu"] + PP2 + DIST
+              + finetune, 3).check()
+    assert max_delta(pp2.losses(), fsdp.losses(), range(1, 4)) <= TOL
+
+
 # -- the project's own loop (megatron-core 0.16.1) and Megatron-LM's trainer share checkpoints --
 
 # The same model, optimizer and data in both: megatron-core's GPTDataset over a small corpus

@@ -124,3 +124,26 @@ def restrict(boxes: Tuple[Box, ...], row: int, start: int, stop: int) -> Tuple[B
             out.append(Box(lo * row - start, (b.offset[0] + lo - first,) + tuple(b.offset[1:]),
                            (hi - lo,) + tuple(b.shape[1:])))
     return tuple(out)
+
+
+def main_from_model(chunk) -> bool:
+    """Copy the model weights into Megatron-FSDP's main weights (a load without optimizer state:
+    --finetune, --no-load-optim), which megatron does not (`_copy_model_params_to_main_params`
+    raises for Megatron-FSDP, distrib_optimizer.py:3079 in 0.19.2); False without Megatron-FSDP."""
+    fsdp = megatron_fsdp_module(chunk)
+    if fsdp is None:
+        return False
+    with torch.no_grad():
+        for group in fsdp.param_and_grad_buffer.parameter_groups:
+            weights, main = group.model_weight_buffer, group.main_weight_buffer
+            if weights is None or main is None:
+                continue  # the weights are the main weights
+            for item_id in range(len(group.params)):
+                target = main.get_item(item_id)
+                source = weights.get_item(item_id)
+                if not weights.is_data_distributed:  # whole weights, sharded main weights
+                    start, stop = main._get_item_slice_in_shard(item_id)
+                    source = source[start:stop] if stop > start else source[:0]
+                target.copy_(source)
+    return True
+

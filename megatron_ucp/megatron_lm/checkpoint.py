@@ -228,9 +228,21 @@ def _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, iterati
                             load_rng=not (finetune or args.no_load_rng),
                             strict=not args.no_strict_load, verify=not args.no_verify_checkpoint,
                             reseed=lambda it: _reseed(args, it), read_policy=args.ckpt_read_policy)
-    if not load_optim and (args.fp16 or args.bf16) and optimizer is not None:
-        optimizer.reload_model_params()  # the main params from the loaded weights, as megatron does
+    if not load_optim and optimizer is not None:
+        _main_params_from_model(args, ddp_model, optimizer)
     return _resume_from(args, result, load_dir, finetune)
+
+
+def _main_params_from_model(args, ddp_model, optimizer) -> None:
+    """After a load without optimizer state, the main params from the loaded weights: megatron's
+    reload_model_params for 16-bit runs, and Megatron-FSDP's main-weight shards (fp32 runs keep
+    them too), which megatron does not refresh (mcore/megatron_fsdp.main_from_model)."""
+    from megatron_ucp.mcore import megatron_fsdp
+
+    if any([megatron_fsdp.main_from_model(chunk) for chunk in ddp_model]):
+        return
+    if args.fp16 or args.bf16:
+        optimizer.reload_model_params()
 
 
 def _resume_from(args, result, load_dir, finetune=False):
