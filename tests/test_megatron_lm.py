@@ -262,21 +262,24 @@ def test_cp2_resumes_on_pp2_with_the_distributed_optimizer(python, cp2_reference
 FSDP2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
 
 
-def test_fsdp2_resumes_on_tp2_with_the_distributed_optimizer_and_back(python, tmp_path):
-    """FSDP2 (DP2) saves at K -> TP2 with the distributed optimizer resumes it, saving every 2
-    -> FSDP2 resumes that at K + 2; both within TOL of the FSDP2 run."""
-    untied_tp2 = ["--untie-embeddings-and-output-weights"] + TP2 + DIST
-    ref = run(python, tmp_path / "ref", 2, FSDP2 + UNIVERSAL + ["--save", str(tmp_path / "ckpt"),
-                                                                "--save-interval", str(K)], N).check()
-    tp2 = run(python, tmp_path / "tp2", 2, untied_tp2 + UNIVERSAL + [
-        "--load", str(tmp_path / "ckpt"), "--ckpt-step", str(K), "--save", str(tmp_path / "tp2_ckpt"),
+def there_and_back(python, tmp_path, sharded, other, back=()):
+    """`sharded` saves at K -> `other` resumes it, saving every 2 -> `sharded` + `back` resumes
+    that at K + 2; both within TOL of the `sharded` run."""
+    ref = run(python, tmp_path / "ref", 2, sharded + UNIVERSAL + ["--save", str(tmp_path / "ckpt"),
+                                                                  "--save-interval", str(K)], N).check()
+    moved = run(python, tmp_path / "moved", 2, other + UNIVERSAL + [
+        "--load", str(tmp_path / "ckpt"), "--ckpt-step", str(K), "--save", str(tmp_path / "moved_ckpt"),
         "--save-interval", "2"], N).check()
-    assert min(tp2.losses()) == K + 1
-    assert max_delta(ref.losses(), tp2.losses(), range(K + 1, N + 1)) <= TOL
-    back = run(python, tmp_path / "back", 2, FSDP2 + UNIVERSAL + ["--load", str(tmp_path / "tp2_ckpt"),
-                                                                  "--ckpt-step", str(K + 2)], N).check()
-    assert min(back.losses()) == K + 3
-    assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
+    assert min(moved.losses()) == K + 1
+    assert max_delta(ref.losses(), moved.losses(), range(K + 1, N + 1)) <= TOL
+    returned = run(python, tmp_path / "back", 2, sharded + list(back) + UNIVERSAL + [
+        "--load", str(tmp_path / "moved_ckpt"), "--ckpt-step", str(K + 2)], N).check()
+    assert min(returned.losses()) == K + 3
+    assert max_delta(ref.losses(), returned.losses(), range(K + 3, N + 1)) <= TOL
+
+
+def test_fsdp2_resumes_on_tp2_with_the_distributed_optimizer_and_back(python, tmp_path):
+    there_and_back(python, tmp_path, FSDP2, ["--untie-embeddings-and-output-weights"] + TP2 + DIST)
 
 
 # -- Megatron-FSDP (--use-megatron-fsdp): each data-parallel rank holds uneven row shards of the
@@ -288,23 +291,10 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--untie-embeddings-and-output-weights",
 
 
 def test_megatron_fsdp_resumes_on_pp2_with_the_distributed_optimizer_and_back(python, tmp_path):
-    """Megatron-FSDP (DP2, its default strategy: weights sharded too) saves at K -> PP2 with the
-    distributed optimizer resumes it, saving every 2 -> Megatron-FSDP sharding the optimizer
-    only resumes that at K + 2; both within TOL of the Megatron-FSDP run."""
-    pp2 = ["--untie-embeddings-and-output-weights", "--swiglu"] + PP2 + DIST
-    ref = run(python, tmp_path / "ref", 2, MEGATRON_FSDP + UNIVERSAL + ["--save", str(tmp_path / "ckpt"),
-                                                                        "--save-interval", str(K)], N).check()
-    moved = run(python, tmp_path / "pp2", 2, pp2 + UNIVERSAL + [
-        "--load", str(tmp_path / "ckpt"), "--ckpt-step", str(K), "--save", str(tmp_path / "pp2_ckpt"),
-        "--save-interval", "2"], N).check()
-    assert min(moved.losses()) == K + 1
-    assert max_delta(ref.losses(), moved.losses(), range(K + 1, N + 1)) <= TOL
-    # Back under the strategy that shards the optimizer state only: whole weights, sharded main weights.
-    back = run(python, tmp_path / "back", 2, MEGATRON_FSDP + UNIVERSAL + [
-        "--data-parallel-sharding-strategy", "optim", "--load", str(tmp_path / "pp2_ckpt"),
-        "--ckpt-step", str(K + 2)], N).check()
-    assert min(back.losses()) == K + 3
-    assert max_delta(ref.losses(), back.losses(), range(K + 3, N + 1)) <= TOL
+    """Megatron-FSDP's default strategy (weights sharded too) -> PP2 -> back under the strategy
+    that shards the optimizer state only (whole weights, sharded main weights)."""
+    there_and_back(python, tmp_path, MEGATRON_FSDP, ["--untie-embeddings-and-output-weights", "--swiglu"] + PP2 + DIST,
+                   back=["--data-parallel-sharding-strategy", "optim"])
 
 
 def test_megatron_fsdp_finetunes_from_the_weights_as_pp2_does(python, tmp_path):
