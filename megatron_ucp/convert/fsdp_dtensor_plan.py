@@ -6,7 +6,9 @@ universal format by megatron's checkpoint names (`...self_attention.linear_qkv.l
 under the local spec). What joins them is the parameter itself: the model is built from the
 stored arguments on the meta device in one process (torch_dist_plan's way), and each of its
 `named_parameters()` is the `.param` of one model_map LocalTensor, which gives the atomic
-name, shape, vocabulary padding and SwiGLU halves a direct universal save uses.
+name, shape, vocabulary padding and SwiGLU halves a direct universal save uses. MoE experts
+need nothing more: megatron stores them under global expert ids (`local_experts.<E>`,
+`handle_experts_in_state_dict`), which are the meta model's own, built with one expert rank.
 
 Weights: Megatron-FSDP's module parameters are its main weights while it saves
 (`_replace_param_with_distributed_if_needed` puts `optimizer_named_parameters` in place, the
@@ -95,10 +97,9 @@ def _source(reader: DcpReader, stored: dict, extra_argv):
     argv = argv_from_args(stored, _model_names()) + _vocab_argv(stored, extra_argv, reader.dir) + list(extra_argv)
     argv += ["--cpu", "--mock-data"]
     source = source_args(argv, world, os.path.join(reader.dir, "args"))
-    if source.num_experts:
-        raise FormatError(f"{reader.dir}: a mixture-of-experts model (--num-experts {source.num_experts}); "
-                          "fsdp_dtensor checkpoints of MoE models are not converted (megatron renames their "
-                          "experts to global ids, handle_experts_in_state_dict, a mapping not made here)")
+    if source.num_experts and source.moe_grouped_gemm:
+        raise FormatError(f"{reader.dir}: grouped-GEMM experts (--moe-grouped-gemm); their fsdp_dtensor keys "
+                          "(linear_fc1.weight<E>) are not mapped, the sequential experts' are")
     return source, world
 
 

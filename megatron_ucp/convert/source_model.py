@@ -22,11 +22,26 @@ _NOT_CARRIED = {"save", "load", "save_interval", "loss_log", "ckpt_step", "load_
                 "ckpt_read_policy"}
 
 
+# Megatron-LM's names of the own loop's model arguments (its checkpoints store its own).
+_MEGATRON_LM_NAMES = {"layernorm_epsilon": ("norm_epsilon", lambda v: v),
+                      "add_bias_linear": ("disable_bias_linear", lambda v: not v)}
+
+
+def _own_loop_names(args: dict) -> dict:
+    """`args` with Megatron-LM's names of the own loop's arguments added under the own loop's."""
+    out = dict(args)
+    for theirs, (ours, value) in _MEGATRON_LM_NAMES.items():
+        if theirs in args and ours not in args and args[theirs] is not None:
+            out[ours] = value(args[theirs])
+    return out
+
+
 def argv_from_args(args: dict, only=None) -> list:
     """Command-line flags that rebuild the model and layout the arguments describe (of the
-    argument names in `only`, when given)."""
+    argument names in `only`, when given); the own loop's arguments or Megatron-LM's."""
     from megatron_ucp.mcore.flags import build_parser
 
+    args = _own_loop_names(args)
     argv = []
     for action in build_parser()._actions:
         dest = action.dest
