@@ -213,17 +213,17 @@ def _mapping(gpt, vocab_size: int, chunk=None) -> tuple:
     if cached is not None and cached[0] == vocab_size:
         return cached[1], cached[2]
     with megatron_fsdp.module_parameters(chunk) as own:
-        found, grouped = _described(gpt, vocab_size, cache=not own)
+        found, grouped = _described(gpt, vocab_size)
     if own:  # Megatron-FSDP: the geometry of its own parameters, described through their twins
         if grouped:
             raise LayoutError("Megatron-FSDP with megatron's legacy grouped-GEMM experts is not mapped; use "
                               "the sequential or transformer-engine grouped experts")
         found = [dataclasses.replace(g, tensor=own.get(id(g.tensor), g.tensor)) for g in found]
-        gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
+    gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
     return found, grouped
 
 
-def _described(gpt, vocab_size: int, cache: bool = True) -> tuple:
+def _described(gpt, vocab_size: int) -> tuple:
     uneven = unevenly_sharded(gpt.named_parameters())
     if uneven:
         raise LayoutError(f"torch FSDP2 pads the shards of {uneven[:3]}, which megatron's sharded state dict "
@@ -236,8 +236,6 @@ def _described(gpt, vocab_size: int, cache: bool = True) -> tuple:
     missing = [n for n, p in gpt.named_parameters() if id(local_shard(p)) not in mapped]
     if missing:
         raise LayoutError(f"megatron's sharded state dict does not describe parameters {missing[:5]}")
-    if cache:
-        gpt.__dict__["_ucp_geometry"] = (vocab_size, found, grouped)
     return found, grouped
 
 
