@@ -397,6 +397,47 @@ def _patch_fsdp2_mesh():
         fsdp2.DeviceMesh = _CpuDeviceMesh
 
 
+# megatron-core modules that imported torch's `_coalescing_manager` by name.
+_MODULES_COALESCING = (
+    "megatron.core.distributed.param_and_grad_buffer",  # DDP buckets with --overlap-param-gather
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",  # Megatron-FSDP gathers
+)
+
+
+def _synchronous(coalescing_manager):
+    """`coalescing_manager` with its collectives always run to completion before it exits: the
+    handle it yields then holds no work and its wait() returns at once."""
+    if getattr(coalescing_manager, "ucp_synchronous", False):
+        return coalescing_manager
+
+    @functools.wraps(coalescing_manager)
+    def synchronous(group=None, device=None, async_ops=False):
+        return coalescing_manager(group, device, async_ops=False)
+
+    synchronous.ucp_synchronous = True
+    return synchronous
+
+
+def _patch_coalescing():
+    """gloo's asynchronous coalesced all-gather (`all_gather_into_tensor` inside
+    `_coalescing_manager(async_ops=True)`, ProcessGroupGloo's allgather_into_tensor_coalesced)
+    corrupts the heap now and then, torch 2.13 and 2.14 alike: "malloc(): unaligned tcache chunk
+    detected" or SIGSEGV in its worker thread; the synchronous form, plain asynchronous
+    all-gathers and coalesced reduce-scatters do not (tools/gloo_coalesced_allgather.py, no
+    megatron). Megatron-FSDP gathers every parameter bucket that way
+    (megatron_fsdp/param_and_grad_buffer.py:4561, 0.19.2), and megatron's DDP its buckets with
+    --overlap-param-gather, so on CPU they run synchronously."""
+    import torch.distributed as dist
+
+    dist._coalescing_manager = _synchronous(dist._coalescing_manager)  # callers that look it up
+    for name in _MODULES_COALESCING:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # Megatron-FSDP without einops: megatron says so if asked for it
+            continue
+        module._coalescing_manager = _synchronous(module._coalescing_manager)
+
+
 def enable() -> None:
     """Turn on CPU mode in this process (idempotent). Call before building models."""
     global _ENABLED
@@ -407,6 +448,7 @@ def enable() -> None:
     _patch_rng_tracker()
     _patch_local_attention()
     _patch_fsdp2_mesh()
+    _patch_coalescing()
     cpu_fsdp.enable(_TorchOnCpu, _CpuDeviceMesh)
     _fork_checkpoint_queue()
     _ENABLED = True
