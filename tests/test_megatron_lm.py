@@ -143,6 +143,10 @@ def moe_reference(python, tmp_path_factory):
     ("ep1_dp2_dist", DIST),
     # megatron trains MoE under TP only with SP; the experts split over TP instead of EP
     ("tp2_sp_expert_tp2", TP2 + SP + ["--expert-tensor-parallel-size", "2"]),
+    # Megatron-FSDP shards the dense weights over both ranks and holds two experts on each;
+    # `optim`, as its default strategy mis-accumulates the experts' gradients (test_fsdp_flags.py)
+    ("megatron_fsdp_ep2", ["--use-megatron-fsdp", "--expert-model-parallel-size", "2",
+                           "--data-parallel-sharding-strategy", "optim"]),
 ])
 def test_moe_resumes_from_ep2_on_another_layout(python, moe_reference, tmp_path, name, layout):
     r = run(python, tmp_path, 2, MOE + layout + UNIVERSAL + ["--load", str(moe_reference["ckpt"]),
