@@ -65,7 +65,7 @@ COALESCING = textwrap.dedent("""
 
 def test_coalesced_collectives_run_synchronously_on_cpu():
     """gloo's asynchronous coalesced all-gather corrupts the heap now and then
-    (tools/gloo_coalesced_allgather.py): under CPU mode megatron's coalescing managers finish
+    (benchmarks/gloo_coalesced_allgather.py): under CPU mode megatron's coalescing managers finish
     their collectives before they exit, and hand back handles with nothing left to wait for."""
     from harness import free_port
 

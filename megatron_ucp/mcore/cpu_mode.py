@@ -423,7 +423,7 @@ def _patch_coalescing():
     `_coalescing_manager(async_ops=True)`, ProcessGroupGloo's allgather_into_tensor_coalesced)
     corrupts the heap now and then, torch 2.13 and 2.14 alike: "malloc(): unaligned tcache chunk
     detected" or SIGSEGV in its worker thread; the synchronous form, plain asynchronous
-    all-gathers and coalesced reduce-scatters do not (tools/gloo_coalesced_allgather.py, no
+    all-gathers and coalesced reduce-scatters do not (benchmarks/gloo_coalesced_allgather.py, no
     megatron). Megatron-FSDP gathers every parameter bucket that way
     (megatron_fsdp/param_and_grad_buffer.py:4561, 0.19.2), and megatron's DDP its buckets with
     --overlap-param-gather, so on CPU they run synchronously."""

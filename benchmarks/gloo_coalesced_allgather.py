@@ -1,19 +1,21 @@
-"""Does this torch's gloo still corrupt memory in asynchronous coalesced all-gathers?
+"""Does this torch's gloo still corrupt memory in asynchronous coalesced all-gathers? Crashed
+runs of the asynchronous form against the synchronous one (the baseline), in one run (by hand,
+not in CI).
 
 CPU mode runs megatron's coalesced collectives synchronously because of it
 (megatron_ucp/mcore/cpu_mode.py, `_patch_coalescing`). This reproduces the defect without
 megatron, in the pattern Megatron-FSDP uses: each step all-gathers a few flat buckets from their
-shards, each inside `_coalescing_manager(async_ops=True)`, and waits on the handles later.
+shards, each inside `_coalescing_manager(async_ops=...)`, and waits on the handles later.
 
-    python tools/gloo_coalesced_allgather.py [--mode async|sync] [--runs 4] [--steps 3000]
+    python benchmarks/gloo_coalesced_allgather.py [--modes async sync] [--runs 4] [--steps 3000]
 
 Each run is two fresh gloo processes; a run that crashes (SIGABRT "malloc(): unaligned tcache
 chunk detected", or SIGSEGV) is counted. Measured on a 2-core machine, 6 runs of 3000 steps:
 async crashed in 3 (torch 2.13.0) and 4 (torch 2.14.1), sync in none of 3; plain asynchronous
 `all_gather_into_tensor` and asynchronous coalesced reduce-scatters and all-reduces never did
 (4 runs each, a variant of this script).
-The exit status is the number of crashed runs, so a torch whose gloo is fixed exits 0 under
-`--mode async`, and the workaround can go.
+The exit status is the number of crashed runs, so a torch whose gloo is fixed exits 0, and the
+workaround can go.
 """
 
 import argparse
@@ -53,26 +55,32 @@ def _free_port() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("async", "sync"), default="async")
+    parser.add_argument("--modes", nargs="+", choices=("async", "sync"), default=["async", "sync"])
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
+    crashed = {mode: _crashed_runs(mode, args.runs, args.steps) for mode in args.modes}
+    print(f"torch {torch.__version__}, {args.steps} steps a run: "
+          + ", ".join(f"{mode} crashed in {n} of {args.runs} runs" for mode, n in crashed.items()))
+    return sum(crashed.values())
+
+
+def _crashed_runs(mode: str, runs: int, steps: int) -> int:
     crashed = 0
-    for run in range(args.runs):
-        context = mp.start_processes(_steps, args=(2, _free_port(), args.mode, args.steps), nprocs=2,
+    for run in range(runs):
+        context = mp.start_processes(_steps, args=(2, _free_port(), mode, steps), nprocs=2,
                                      join=False, start_method="spawn")
         try:
             while not context.join():
                 pass
             outcome = "completed"
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a crash, or its peer losing the connection
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # a crash, or its peer's
             crashed += 1
             outcome = f"crashed ({e})"
         finally:
             for process in context.processes:
                 process.kill()
-        print(f"run {run + 1}/{args.runs}, {args.mode}, {args.steps} steps: {outcome}", flush=True)
-    print(f"torch {torch.__version__}: {crashed} of {args.runs} runs crashed")
+        print(f"run {run + 1}/{runs}, {mode}: {outcome}", flush=True)
     return crashed
 
 
