@@ -55,7 +55,8 @@ COALESCING = textwrap.dedent("""
     from megatron_ucp.mcore import cpu_mode
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cpu_mode.enable()
-    for name in cpu_mode._MODULES_COALESCING + ("torch.distributed",):
+    for name in ("megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer", "torch.distributed"):
         shard, gathered = torch.arange(4.0), torch.zeros(4)
         with importlib.import_module(name)._coalescing_manager(async_ops=True) as handle:
             dist.all_gather_into_tensor(gathered, shard, async_op=True)

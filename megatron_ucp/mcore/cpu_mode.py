@@ -425,8 +425,10 @@ def _patch_coalescing():
     detected" or SIGSEGV in its worker thread; the synchronous form, plain asynchronous
     all-gathers and coalesced reduce-scatters do not (benchmarks/gloo_coalesced_allgather.py, no
     megatron). Megatron-FSDP gathers every parameter bucket that way
-    (megatron_fsdp/param_and_grad_buffer.py:4561, 0.19.2), and megatron's DDP its buckets with
-    --overlap-param-gather, so on CPU they run synchronously."""
+    (megatron_fsdp/param_and_grad_buffer.py:4561, 0.19.2), megatron's DDP its buckets with
+    --overlap-param-gather (distributed/param_and_grad_buffer.py:504 in 0.19.2, 274 in 0.16.1),
+    and generalized tensor parallelism looks it up on torch.distributed
+    (generalized_tensor_parallelism.py:1584/2016, 0.19.2); on CPU they all run synchronously."""
     import torch.distributed as dist
 
     dist._coalescing_manager = _synchronous(dist._coalescing_manager)  # callers that look it up
