@@ -100,9 +100,15 @@ class Attention(nn.Module):
         c = self.c
         b, s, _ = x.shape
         per, heads, groups = c.heads // c.groups, c.heads // c.tp, c.groups // c.tp
-        qkv = self.query_key_value(copy_to_tp(x, c)).view(b, s, groups, per + 2, c.kv_channels)
-        q = qkv[:, :, :, :per].reshape(b, s, heads, c.kv_channels)
-        k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]
+        out = self.query_key_value(copy_to_tp(x, c))
+        if c.qkv_layout == "thirds":  # Megatron-DeepSpeed since 676a482c: each TP rank's rows [Q; K; V] (MHA)
+            # (qkv_ranks: the saving TP degree, where one process computes a TP run's merged weights)
+            t = out.view(b, s, c.qkv_ranks, 3, heads // c.qkv_ranks, c.kv_channels)
+            q, k, v = (t[:, :, :, i].reshape(b, s, heads, c.kv_channels) for i in range(3))
+        else:  # per query group: its query heads, its key head, its value head
+            qkv = out.view(b, s, groups, per + 2, c.kv_channels)
+            q = qkv[:, :, :, :per].reshape(b, s, heads, c.kv_channels)
+            k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, kv_channels]
@@ -185,6 +191,11 @@ class GPT(nn.Module):
                     p.normal_(0, 0.02)
 
     def forward(self, tokens, labels):
+        logits = self.logits(tokens)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def logits(self, tokens):
+        """[batch, seq, padded vocabulary] logits (gathered over TP)."""
         c, lm = self.c, self.language_model
         rows = c.padded_vocab // c.tp
         first = c.rank * rows
@@ -198,7 +209,7 @@ class GPT(nn.Module):
         logits = (x @ weight.t()).float()
         if c.tp > 1:
             logits = _GatherFromTP.apply(logits, c.group, c.rank, c.tp)
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        return logits
 
 
 def tp_slice(name: str, full: torch.Tensor, c) -> torch.Tensor:
@@ -266,14 +277,19 @@ UC_INFO = {  # what Megatron-DeepSpeed's GPTModel.universal_checkpoint_info() li
 
 def config(v, mpu=None):
     tp = mpu.tp if mpu else 1
-    return argparse.Namespace(layers=2, hidden=32, heads=4, groups=2, kv_channels=8, ffn=48, vocab=250,
-                              padded_vocab=256, seq=16, eps=1e-5, rope_theta=10000, tied=v["tied"], tp=tp,
+    return argparse.Namespace(layers=2, hidden=32, heads=4, groups=v.get("groups", 2), kv_channels=8, ffn=48,
+                              vocab=250, padded_vocab=256, seq=16, eps=1e-5, rope_theta=10000, tied=v["tied"], tp=tp,
+                              qkv_layout=v.get("qkv_layout", "grouped"), qkv_ranks=v.get("qkv_ranks", 1),
                               rank=mpu.get_model_parallel_rank() if mpu else 0, group=mpu.tp_group if mpu else None)
 
 
 def mds_args(c, v, consumed):
-    """The training arguments Megatron-DeepSpeed saves (its names), for this model."""
-    return argparse.Namespace(
+    """The training arguments Megatron-DeepSpeed saves (its names), for this model; `model_type`
+    as its get_model() sets it: megatron.core.enums.ModelType (Megatron-DeepSpeed's own copy of
+    that enum has the same module path; megatron-core's is used here), pickled by reference."""
+    from megatron.core.enums import ModelType
+
+    return argparse.Namespace(model_type=ModelType.encoder_or_decoder,
         num_layers=c.layers, hidden_size=c.hidden, ffn_hidden_size=c.ffn, num_attention_heads=c.heads,
         num_key_value_heads=c.groups, kv_channels=c.kv_channels, seq_length=c.seq,
         max_position_embeddings=c.seq, padded_vocab_size=c.padded_vocab, make_vocab_size_divisible_by=128,

@@ -314,7 +314,7 @@ def test_position_embedding_enum(tmp_path, monkeypatch, value, rope):
         _Enum.__module__, _Enum.__qualname__ = __name__, "_Enum"
     monkeypatch.delitem(sys.modules, "megatron.enums")
     loaded = ds._load(str(tmp_path / "m.pt"), "model states", str(tmp_path), 2**20)
-    kind = ds._plain(loaded["args"].position_embedding_type)
+    kind = ds.plain_args(loaded["args"], "model states")["position_embedding_type"]
     assert kind == {1: "rotary", 3: "alibi"}[value]
     args = dict(ARGS, use_rotary_position_embeddings=False, position_embedding_type=kind)
     if rope:

@@ -28,14 +28,13 @@ import time
 
 import numpy as np
 
-from megatron_ucp.convert import deepspeed_map as dsm
-from megatron_ucp.convert import safe_pickle, writer as stream_write
+from megatron_ucp.convert import deepspeed_map as dsm, deepspeed_qkv as qkv, deepspeed_values as dv, megatron_args
+from megatron_ucp.convert import output_folder, safe_pickle, writer as stream_write
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
 from megatron_ucp.format import manifest as mf, safe_files
 from megatron_ucp.format.layout import PADDING
 from megatron_ucp.format.tensor_entry import STATES, TensorEntry
-from megatron_ucp.mcore.optimizer_state import plain_groups
 
 STATE_FILES = {"param": "fp32.pt", "exp_avg": "exp_avg.pt", "exp_avg_sq": "exp_avg_sq.pt"}
 RECORD_KEYS = {"param", "cat_dim", "vocab_tensor", "param_n_sub_params", "sub_param_shape"}
@@ -67,12 +66,16 @@ class PositionEmbeddingType(Opaque):
 
 # What `zero/optimizer_state.pt` names besides torch's own types (DeepSpeed 0.19: ZeRO-1/2 and
 # BF16_Optimizer saves), and the position embedding enum of Megatron-DeepSpeed's args.
+# Megatron-DeepSpeed's get_model() stores `args.model_type` as megatron.core.enums.ModelType (its
+# own copy of megatron-core's enum, same module path): read as Megatron-LM's args are
+# (megatron_args.STAND_INS), without megatron imported.
 STAND_INS = [(Opaque, name) for name in (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # an fp32.pt's record, refused by name
-)] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType") for module in ("megatron.enums", "megatron.model.enums")]
+)] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType") for module in ("megatron.enums", "megatron.model.enums")
+      ] + megatron_args.STAND_INS
 
 
 def _pickle_size(path: str, what: str) -> int:
@@ -96,15 +99,24 @@ def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):
     return safe_pickle.torch_load(raw, f"{what} {path}", stand_ins=STAND_INS)
 
 
-def _plain(value):
-    """A value of Megatron-DeepSpeed's args as JSON-able data (stand-ins as their text)."""
+def _named(value):
+    """A DeepSpeed stand-in's text for deepspeed_values.plain (None: not one of ours)."""
     if isinstance(value, PositionEmbeddingType):
         return value.name()
     if isinstance(value, Opaque):
-        return f"<{value.args!r}>"
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+        return f"<{type(value).__name__}>"
+    return None
+
+
+def plain_args(stored, path: str) -> dict:
+    """Megatron-DeepSpeed's `args` (a Namespace, or a dict) as JSON-able data: stand-ins as
+    their text, non-finite numbers as text, nesting bounded (deepspeed_values.plain)."""
+    if isinstance(stored, argparse.Namespace):
+        stored = vars(stored)
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path}: no Megatron-DeepSpeed 'args' (the model's description); only "
+                          "Megatron-DeepSpeed GPT checkpoints are imported")
+    return {str(k): dv.plain(v, f"{path}: args.{k}", named=_named) for k, v in stored.items()}
 
 
 def model_states(folder: str) -> tuple:
@@ -152,12 +164,12 @@ def adam_groups(folder: str) -> list:
         raise FormatError(f"{path}: no 'param_groups' list")
     for g in groups:
         if not ("betas" in g and "eps" in g):
-            raise ConfigError(f"{path}: a param group without betas and eps ({sorted(g)}): not an Adam optimizer")
+            raise ConfigError(f"{path}: a param group without betas and eps ({sorted(map(str, g))}): not an Adam optimizer")
         if g.get("amsgrad"):
             raise ConfigError(f"{path}: AMSGrad (megatron-core's Adam has none)")
         if g.get("decoupled_weight_decay") is False and g.get("weight_decay"):
             raise ConfigError(f"{path}: Adam with L2 weight decay (torch Adam); megatron-core runs AdamW")
-    return plain_groups(groups)
+    return [dv.adam_group(g, path, i) for i, g in enumerate(groups)]
 
 
 def read_tensor(path: str, folder: str, numel_bound: int):
@@ -182,9 +194,7 @@ def read_step(path: str, folder: str) -> int:
 
     step = _load(path, "DeepSpeed step file", folder, MAX_SMALL_BYTES)
     value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or value != int(value):
-        raise FormatError(f"{path}: step {value!r}, expected a whole number >= 0")
-    return int(value)
+    return dv.step_count(value, path)
 
 
 def _steps_of(samples, gbs: int, key: str, path: str) -> int:
@@ -196,25 +206,22 @@ def _steps_of(samples, gbs: int, key: str, path: str) -> int:
 
 def training_flags(scheduler, groups: list, args: dict, path: str) -> list:
     """Flags that make pretrain_gpt_ucp.py's scheduler and AdamW the saved ones (megatron-core's
-    scheduler refuses a checkpoint whose schedule differs from the one its flags give)."""
-    gbs = args.get("global_batch_size")
-    if not isinstance(gbs, int) or gbs < 1:
-        raise ConfigError(f"{path}: args.global_batch_size is {gbs!r}, expected an integer >= 1")
-    decays = {float(g.get("weight_decay", 0.0)) for g in groups} - {0.0}
+    scheduler refuses a checkpoint whose schedule differs from the one its flags give).
+    `scheduler` and `groups` are checked already (deepspeed_values)."""
+    gbs = dv.whole(args.get("global_batch_size"), f"{path}: args.global_batch_size", 1)
+    decays = {g.get("weight_decay", 0.0) for g in groups} - {0.0}
     if len(decays) > 1:
         raise ConfigError(f"{path}: param groups with weight decays {sorted(decays)}; megatron-core has one")
     betas = groups[0]["betas"]
-    argv = ["--global-batch-size", str(gbs), "--adam-beta1", repr(float(betas[0])),
-            "--adam-beta2", repr(float(betas[1])), "--adam-eps", repr(float(groups[0]["eps"])),
-            "--weight-decay", repr(decays.pop() if decays else 0.0)]
+    argv = ["--global-batch-size", str(gbs), "--adam-beta1", repr(betas[0]), "--adam-beta2", repr(betas[1]),
+            "--adam-eps", repr(groups[0]["eps"]), "--weight-decay", repr(decays.pop() if decays else 0.0)]
     if scheduler is None:
         return argv
     s = scheduler
     if s.get("start_wd", None) != s.get("end_wd", None):
         raise ConfigError(f"{path}: lr_scheduler weight decay goes from {s.get('start_wd')} to {s.get('end_wd')}; "
                           "pretrain_gpt_ucp.py keeps it constant")
-    argv += ["--lr", repr(float(s["max_lr"])), "--min-lr", repr(float(s["min_lr"])),
-             "--lr-decay-style", str(s["lr_decay_style"]),
+    argv += ["--lr", repr(s["max_lr"]), "--min-lr", repr(s["min_lr"]), "--lr-decay-style", s["lr_decay_style"],
              "--lr-warmup-iters", str(_steps_of(s["lr_warmup_steps"], gbs, "lr_warmup_steps", path)),
              "--lr-decay-iters", str(_steps_of(s["lr_decay_steps"], gbs, "lr_decay_steps", path))]
     if "wd_incr_steps" in s:  # pretrain_gpt_ucp.py's is train_iters * global_batch_size
@@ -222,53 +229,55 @@ def training_flags(scheduler, groups: list, args: dict, path: str) -> list:
     return argv
 
 
-_OLD_SCHEDULER_NAMES = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps", "warmup_steps": "lr_warmup_steps",
-                        "end_iter": "lr_decay_steps", "decay_steps": "lr_decay_steps",
-                        "decay_style": "lr_decay_style", "num_iters": "num_steps"}
+def _record(states: dict, path: str, args: dict) -> dict:
+    """Iteration, consumed samples, skipped steps and the scheduler of the model states, checked."""
+    scheduler = states.get("lr_scheduler")
+    iteration = states.get("iteration", states.get("global_steps"))
+    consumed = args.get("consumed_train_samples", states.get("global_samples"))
+    skipped = states.get("skipped_steps")
+    return {"scheduler": None if scheduler is None else dv.scheduler(scheduler, path),
+            "iteration": dv.whole(iteration, f"{path}: iteration"),
+            "consumed": dv.whole(consumed, f"{path}: consumed samples (args.consumed_train_samples)"),
+            "progress": None if skipped is None else
+            {"skipped_iterations": dv.whole(skipped, f"{path}: skipped_steps")}}
 
 
-def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -> dict:
-    """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours."""
+def import_(folder: str, output: str, progress: bool = True, workers: int = 1, qkv_layout: str = None) -> dict:
+    """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours.
+    `qkv_layout`: 'thirds' or 'grouped' where the args do not tell (deepspeed_qkv)."""
     start = time.perf_counter()
     folder = os.path.abspath(folder)
+    output_folder.refuse_inside_input(output, folder, "output")
     path, states = model_states(folder)
-    args = states.get("args")
-    args = {k: _plain(v) for k, v in vars(args).items()} if isinstance(args, argparse.Namespace) else args
-    if not isinstance(args, dict):
-        raise ConfigError(f"{path}: no Megatron-DeepSpeed 'args' (the model's description); only "
-                          "Megatron-DeepSpeed GPT checkpoints are imported")
+    args = plain_args(states.get("args"), path)
     uc_info = states.get("universal_checkpoint_info")
     if not isinstance(uc_info, dict):
         raise ConfigError(f"{path}: no 'universal_checkpoint_info' (ds_to_universal needs it too)")
     names = param_names(folder)
     mapping = dsm.megatron_names(names)
     model = dsm.from_args(args, uc_info, names, path)
-    dsm.check_names(model, mapping)
-    dims = states.get("checkpoint_parallel_dimensions") or {}
-    tp = int(dims.get("tp_degree", args.get("tensor_model_parallel_size", 1)))
-    pp = int(dims.get("pp_degree", args.get("pipeline_model_parallel_size", 1)))
+    dsm.check_names(model, mapping, path)
+    tp, pp, dp = dv.parallel_degrees(states, args, path)
+    divisible = args.get("make_vocab_size_divisible_by")
+    divisible = None if divisible is None else dv.whole(divisible, f"{path}: args.make_vocab_size_divisible_by",
+                                                         1, dv.MAX_PARALLEL)
+    dv.padded_vocab(model.vocab_size, model.padded_vocab_size, divisible, tp, path)
+    layout_of_qkv = qkv.qkv_layout(args, model, qkv_layout, path)
+    qkv_order = qkv.qkv_rows(layout_of_qkv, model, tp)
     shapes = dsm.expected(model)
     by_mc = {mc: ds for ds, mc in mapping.items()}
-    for group in states.get("param_shapes") or []:  # the saving ranks' shapes: padded vocabulary rows
-        for ds, local in (group.items() if isinstance(group, dict) else ()):
-            if mapping.get(ds) in dsm.VOCAB and int(local[0]) * tp != model.padded_vocab_size:
-                raise FormatError(f"{path}: {ds} has {int(local[0])} rows on each of {tp} TP ranks, "
-                                  f"universal_checkpoint_info says the padded vocabulary is {model.padded_vocab_size}")
+    vocab_names = {ds for ds, mc in mapping.items() if mc in dsm.VOCAB}
+    for ds, rows in dv.vocab_rows(states.get("param_shapes"), vocab_names, path).items():
+        if rows * tp != model.padded_vocab_size:  # the saving ranks' shapes: padded vocabulary rows
+            raise FormatError(f"{path}: {ds} has {rows} rows on each of {tp} TP ranks, "
+                              f"universal_checkpoint_info says the padded vocabulary is {model.padded_vocab_size}")
 
     steps = {read_step(os.path.join(folder, "zero", ds, "step.pt"), folder) for ds in names}
     if len(steps) != 1:
         raise FormatError(f"{folder}/zero: parameters at Adam steps {sorted(steps)}, one expected")
     step = steps.pop()
     groups = adam_groups(folder)
-    scheduler = states.get("lr_scheduler")
-    if scheduler is not None:
-        scheduler = {_OLD_SCHEDULER_NAMES.get(k, k): v for k, v in dict(scheduler).items()}
-        mf.check_scheduler(scheduler, path)
-    iteration = states.get("iteration", states.get("global_steps"))
-    consumed = args.get("consumed_train_samples", states.get("global_samples"))
-    for key, value in (("iteration", iteration), ("consumed samples", consumed)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise FormatError(f"{path}: {key} {value!r}, expected an integer >= 0")
+    record = _record(states, path, args)
 
     pad = model.padded_vocab_size - model.vocab_size
     metas = {mc: TensorEntry.new(mc, shape, mc in dsm.VOCAB, pad if mc in dsm.VOCAB else 0, STATES)
@@ -277,6 +286,8 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
     def opener(mc):
         ds = by_mc[mc]
         bound = model.padded_vocab_size * model.hidden_size if mc in dsm.VOCAB else math.prod(shapes[mc])
+        reorder = qkv_order is not None and mc.endswith(("self_attention.linear_qkv.weight",
+                                                         "self_attention.linear_qkv.bias"))
 
         def assemble(state):
             file = os.path.join(folder, "zero", ds, STATE_FILES[state])
@@ -286,31 +297,33 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
                 dsm.check_record(ds, mc, record, tensor.shape, model, tp)
             elif tuple(tensor.shape) != shapes[mc]:
                 raise FormatError(f"{file}: shape {list(tensor.shape)}, its fp32.pt's is {list(shapes[mc])}")
-            parts = {"": np.ascontiguousarray(tensor.detach().numpy(), np.float32)}
+            array = tensor.detach().numpy()
+            if reorder:  # [Q_r; K_r; V_r] per saving TP rank -> per group [q; k; v]
+                array = np.take(array, qkv_order, axis=0)
+            parts = {"": np.ascontiguousarray(array, np.float32)}
             if mc in dsm.VOCAB and pad:  # dropped by ds_to_universal; DeepSpeed's loader pads with zeros
                 parts[PADDING] = np.zeros((pad,) + shapes[mc][1:], np.float32)
             return parts
         return assemble
 
-    make_divisible = args.get("make_vocab_size_divisible_by")
-    model_argv = dsm.megatron_args(model, make_divisible if isinstance(make_divisible, int) else None)
-    training_argv = training_flags(scheduler, groups, args, path)
+    model_argv = dsm.megatron_args(model, divisible)
+    training_argv = training_flags(record["scheduler"], groups, args, path)
     argv = model_argv + training_argv
-    zero_stage = (states.get("ds_config") or {}).get("zero_optimization", {}).get("stage")
+    zero_stage = dv.zero_stage(states.get("ds_config"), path)
     layout = mf.Layout(world_size=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                       virtual_pipeline_model_parallel_size=None, data_parallel_size=states.get("dp_world_size"),
+                       virtual_pipeline_model_parallel_size=None, data_parallel_size=dp,
                        expert_model_parallel_size=1, expert_tensor_parallel_size=tp,
                        use_distributed_optimizer=bool(zero_stage), padded_vocab_size=model.padded_vocab_size)
-    progress_record = {"skipped_iterations": states["skipped_steps"]} \
-        if isinstance(states.get("skipped_steps"), int) and states["skipped_steps"] >= 0 else None
-    head = mf.head(iteration=iteration, consumed_samples=consumed, architecture=dsm.architecture(model),
-                   layout=layout, optimizer={"type": "adam", "step": step, "param_groups": groups},
-                   scheduler=scheduler, args=given_args(argv), rng_saved=False, progress=progress_record,
-                   source={"deepspeed": folder, "ds_version": str(states.get("ds_version")),
-                           "zero_stage": zero_stage, "megatron_deepspeed_args": args})
+    head = mf.head(iteration=record["iteration"], consumed_samples=record["consumed"],
+                   architecture=dsm.architecture(model), layout=layout,
+                   optimizer={"type": "adam", "step": step, "param_groups": groups},
+                   scheduler=record["scheduler"], args=given_args(argv), rng_saved=False, progress=record["progress"],
+                   source={"deepspeed": folder, "ds_version": dv.version_text(states.get("ds_version"), path),
+                           "zero_stage": zero_stage, "qkv_layout": layout_of_qkv, "megatron_deepspeed_args": args})
     fresh = not os.path.exists(output)
     try:
-        summary = stream_write.write_checkpoint(output, iteration, metas, opener, head, {}, workers, progress, start)
+        summary = stream_write.write_checkpoint(output, record["iteration"], metas, opener, head, {}, workers,
+                                                progress, start)
     except BaseException:
         if fresh and os.path.isdir(output) and not os.listdir(output):
             os.rmdir(output)  # made for this import, left empty by the failed write
@@ -318,7 +331,8 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1) -
     summary["megatron_args"] = argv
     summary["training_args"] = training_argv  # the rest, model flags aside (--use-checkpoint-args)
     summary["step"] = step
-    summary["consumed_samples"] = consumed
+    summary["consumed_samples"] = record["consumed"]
+    summary["qkv_layout"] = layout_of_qkv
     return summary
 
 
@@ -327,8 +341,12 @@ def main(argv=None) -> int:
 
     p = import_parser("import_deepspeed", __doc__.splitlines()[0], "input",
                       "the folder ds_to_universal wrote (zero/ and mp_rank_*_model_states.pt)")
+    p.add_argument("--qkv-layout", choices=qkv.QKV_LAYOUTS, default=None,
+                   help="query_key_value's row order where the args do not tell it: 'thirds' ([Q; K; V] per "
+                        "TP rank: Megatron-DeepSpeed since its commit 676a482c) or 'grouped' (per key-value "
+                        "group [q; k; v]: older ones)")
     a = parse_import_args(p, argv)
-    s = import_(a.input, a.output, not a.no_progress, a.workers)
+    s = import_(a.input, a.output, not a.no_progress, a.workers, a.qkv_layout)
     print(f"imported iteration {s['iteration']} (Adam step {s['step']}, {s['consumed_samples']} samples consumed): "
           f"{s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s into {s['output']}")
     print("flags: " + " ".join(s["megatron_args"]))

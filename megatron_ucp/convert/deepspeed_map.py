@@ -8,17 +8,19 @@ ds_to_universal applied), the parameter names (with or without pipeline: `langua
 merged (`cat_dim`, `param_n_sub_params`, `vocab_tensor`). A model megatron-core does not compute
 the same way is refused naming the option or the parameter.
 
-The tensors need no reordering: Megatron-DeepSpeed's fused QKV holds, per query group, its query
-heads, its key head and its value head (megatron-core's order, docs/FORMAT.md 2.1; TP ranks hold
-whole groups, so ds_to_universal's concatenation keeps it), and its SwiGLU `dense_h_to_4h`
-merged as two sub-parameters is [gate; up] (FORMAT.md 2.2). What must be checked is that the
-merge was the one that keeps those orders.
+The tensors need no reordering but one: Megatron-DeepSpeed's fused QKV holds, per query group,
+its query heads, its key head and its value head (megatron-core's order, docs/FORMAT.md 2.1; TP
+ranks hold whole groups, so ds_to_universal's concatenation keeps it), except since its commit
+676a482c, which splits each TP rank's rows in thirds [Q; K; V] (qkv_layout, qkv_rows); its SwiGLU
+`dense_h_to_4h` merged as two sub-parameters is [gate; up] (FORMAT.md 2.2). What must be checked
+is that the merge was the one that keeps those orders.
 """
 
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from megatron_ucp.convert import deepspeed_values as dv
 from megatron_ucp.errors import ConfigError
 
 
@@ -61,68 +63,87 @@ _REFUSED_FLAGS = {
 }
 
 
-def _int(args: dict, key: str, where: str) -> int:
+def _int(args: dict, key: str, where: str, default=None) -> int:
     value = args.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{where}: args.{key} is {value!r}, expected an integer >= 1")
-    return value
+    if value is None and default is not None:
+        return default
+    return dv.whole(value, f"{where}: args.{key}", 1, dv.MAX_COUNT)
+
+
+def _model_type(args: dict):
+    """Megatron-DeepSpeed's get_model() stores args.model_type (megatron.core.enums.ModelType,
+    read as its stand-in's text); a GPT is encoder_or_decoder (1)."""
+    kind = args.get("model_type")
+    if kind is None or kind in ("<ModelType 1>", "<ModelType encoder_or_decoder>"):
+        return None
+    return f"model_type {kind!r} (a GPT is ModelType.encoder_or_decoder, 1)"
 
 
 def from_args(args: dict, uc_info: dict, names, where: str) -> Model:
     """The Model of a Megatron-DeepSpeed GPT from its stored `args`, its
     `universal_checkpoint_info` and its parameter names; ConfigError naming every option
-    megatron-core's GPT does not compute the same way."""
-    diffs = []
+    megatron-core's GPT does not compute the same way, FormatError naming a value of the wrong
+    type or range."""
+    diffs = [d for d in [_model_type(args)] if d]
     for key, what in _REFUSED_FLAGS.items():
         if args.get(key):
             diffs.append(f"{what} (args.{key})")
     experts = args.get("num_experts")
     if experts not in (None, 1, [1]) and not (isinstance(experts, list) and all(e == 1 for e in experts)):
-        diffs.append(f"mixture of experts (args.num_experts {experts!r}; Megatron-DeepSpeed's MoE is not mapped)")
-    norm = _NORMS.get(str(args.get("normalization", "layernorm")).lower())
+        diffs.append(f"mixture of experts (args.num_experts {dv.plain(experts, where)!r:.80}; Megatron-DeepSpeed's "
+                     "MoE is not mapped)")
+    normalization = args.get("normalization", "layernorm")
+    norm = _NORMS.get(normalization.lower()) if isinstance(normalization, str) else None
     if norm is None:
-        diffs.append(f"normalization {args.get('normalization')!r} (expected layernorm or rmsnorm)")
+        diffs.append(f"normalization {dv.plain(normalization, where)!r:.80} (expected layernorm or rmsnorm)")
     if args.get("rotary_percent", 1.0) != 1.0:
-        diffs.append(f"rotary_percent {args.get('rotary_percent')} (partial rotary)")
+        diffs.append(f"rotary_percent {dv.plain(args.get('rotary_percent'), where)!r:.80} (partial rotary)")
     names = set(names)
     learned = any(n.endswith("position_embeddings.weight") for n in names)
     kind = args.get("position_embedding_type")  # its enum's member name (deepspeed.py), in forks that have it
-    rope = bool(args.get("use_rotary_position_embeddings")) or kind == "rotary"
+    rope = dv.flag(args.get("use_rotary_position_embeddings"), f"{where}: args.use_rotary_position_embeddings",
+                   False) or kind == "rotary"
     if kind not in (None, "rotary", "absolute"):
-        diffs.append(f"position_embedding_type {kind!r}")
+        diffs.append(f"position_embedding_type {kind!r:.80}")
     if rope and learned:
         diffs.append("both rotary and learned position embeddings")
     if not rope and not learned:
         diffs.append("neither rotary nor learned position embeddings (ALiBi or none)")
     theta = args.get("rope_theta", 10000)
-    if rope and (not isinstance(theta, (int, float)) or float(theta) != int(theta)):
-        diffs.append(f"rope_theta {theta!r} is not an integer (megatron's --rotary-base is)")
+    if rope:
+        theta = dv.real(theta, f"{where}: args.rope_theta", above=0.0, hi=float(dv.MAX_COUNT))
+        if theta != int(theta):
+            diffs.append(f"rope_theta {theta!r} is not an integer (megatron's --rotary-base is)")
     if diffs:
         raise ConfigError(f"{where}: megatron-core's GPT does not compute this model the same way: "
                           + "; ".join(diffs))
     heads = _int(args, "num_attention_heads", where)
     hidden = _int(args, "hidden_size", where)
-    groups = args.get("num_key_value_heads") or heads
-    kv = args.get("kv_channels") or hidden // heads
+    groups = _int(args, "num_key_value_heads", where, default=heads)
+    kv = _int(args, "kv_channels", where, default=max(hidden // heads, 1))
     original = uc_info.get("original_vocab_size")
     padded = uc_info.get("padded_vocab_size", args.get("padded_vocab_size"))
-    if not isinstance(original, int) or not isinstance(padded, int) or not 1 <= original <= padded:
-        raise ConfigError(f"{where}: universal_checkpoint_info gives original_vocab_size {original!r} and "
-                          f"padded_vocab_size {padded!r}, expected integers with 1 <= original <= padded")
+    original = dv.whole(original, f"{where}: universal_checkpoint_info.original_vocab_size", 1)
+    padded = dv.whole(padded, f"{where}: universal_checkpoint_info.padded_vocab_size", original)
     if args.get("padded_vocab_size", padded) != padded:
-        raise ConfigError(f"{where}: args.padded_vocab_size {args['padded_vocab_size']} but "
+        raise ConfigError(f"{where}: args.padded_vocab_size {dv.plain(args['padded_vocab_size'], where)!r:.40} but "
                           f"universal_checkpoint_info.padded_vocab_size {padded}")
     if heads % groups:
         raise ConfigError(f"{where}: {heads} attention heads in {groups} key-value groups (not a multiple)")
     seq = _int(args, "seq_length", where)
     return Model(
         num_layers=_int(args, "num_layers", where), hidden_size=hidden,
-        ffn_hidden_size=args.get("ffn_hidden_size") or 4 * hidden, num_attention_heads=heads,
+        ffn_hidden_size=_int(args, "ffn_hidden_size", where, default=4 * hidden), num_attention_heads=heads,
         num_query_groups=groups, kv_channels=kv, vocab_size=original, padded_vocab_size=padded,
-        normalization=norm, norm_epsilon=float(args.get("layernorm_epsilon", 1e-5)),
-        swiglu=bool(args.get("swiglu")), bias=bool(args.get("add_bias_linear", True)), rope=rope,
-        rotary_base=int(theta) if rope else 10000, tied=not args.get("untie_embeddings_and_output_weights", False),
-        seq_length=seq, max_position_embeddings=args.get("max_position_embeddings") or seq)
+        normalization=norm,
+        norm_epsilon=dv.real(args.get("layernorm_epsilon", 1e-5), f"{where}: args.layernorm_epsilon", above=0.0,
+                             hi=1.0),
+        swiglu=dv.flag(args.get("swiglu"), f"{where}: args.swiglu", False),
+        bias=dv.flag(args.get("add_bias_linear"), f"{where}: args.add_bias_linear", True), rope=rope,
+        rotary_base=int(theta) if rope else 10000,
+        tied=not dv.flag(args.get("untie_embeddings_and_output_weights"),
+                         f"{where}: args.untie_embeddings_and_output_weights", False),
+        seq_length=seq, max_position_embeddings=_int(args, "max_position_embeddings", where, default=seq))
 
 
 # ---- names -------------------------------------------------------------------------------------
@@ -248,8 +269,13 @@ COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", 
 ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
-def check_names(m: Model, mapping: Dict[str, str]) -> None:
-    """The checkpoint holds each tensor of `m` once, and nothing else."""
+def check_names(m: Model, mapping: Dict[str, str], where: str = "the checkpoint") -> None:
+    """The checkpoint holds each tensor of `m` once, and nothing else (`where`: its file, for
+    the message)."""
+    layers = {int(mc.split(".")[2]) for mc in mapping.values() if mc.startswith("decoder.layers.")}
+    if layers != set(range(m.num_layers)):  # before expected() builds num_layers' names
+        raise ConfigError(f"{where}: the args describe {m.num_layers} transformer layers, the checkpoint's parameter "
+                          f"folders hold {len(layers)}" + (f" (numbered {min(layers)}..{max(layers)})" if layers else ""))
     want = expected(m)
     seen: Dict[str, str] = {}
     for ds, mc in mapping.items():

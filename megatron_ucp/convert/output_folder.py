@@ -36,6 +36,15 @@ def refuse_inside_checkpoint(output: str, flag: str) -> None:
                           "that checkpoint (its verification would fail): choose a folder outside it")
 
 
+def refuse_inside_input(output: str, source: str, flag: str) -> None:
+    """An import's output may not lie in (or be) the folder it reads: it would change that folder,
+    and the next read of it would find the output among its files."""
+    out, src = os.path.realpath(output), os.path.realpath(source)
+    if out == src or out.startswith(src.rstrip(os.sep) + os.sep):
+        raise ConfigError(f"{flag} {output} lies inside the input {source}; writing there would change the "
+                          "folder being read (a later import of it would fail): choose a folder outside it")
+
+
 def check_save_folder(output: str, iteration: int, fmt: str, flag: str) -> None:
     """`output` can take a checkpoint of `iteration` in format `fmt` without moving its tracker
     back or mixing formats; a file, or a checkpoint's inside, is refused."""

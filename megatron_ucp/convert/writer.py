@@ -79,6 +79,16 @@ def write_tensor_file(path: str, meta: TensorEntry, assemble: Callable[[str], Di
 _JOB = None  # (metas, opener) set in the parent before the pool forks; workers read it
 
 
+def worker_count(asked: int, tensors: int) -> int:
+    """The writer processes to start: as many as asked, but no more than there are tensors to
+    write or CPUs this process may run on (a process more is memory, not speed)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(asked, tensors, cpus))
+
+
 def _write_one(args):
     name, tmp = args
     metas, opener = _JOB
@@ -114,6 +124,7 @@ def _write_all(output_dir, iteration, metas, opener, head, rng, workers, progres
     names = sorted(metas, key=lambda n: -math.prod(metas[n].shape))
     total = sum(file_layout(m).file_size for m in metas.values())
     entries = {}
+    workers = worker_count(workers, len(names))
     _JOB = (metas, opener)
     try:
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
