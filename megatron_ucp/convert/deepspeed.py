@@ -1,6 +1,6 @@
 """Import a DeepSpeed universal checkpoint of a Megatron-DeepSpeed GPT as one of ours.
 
-    python -m megatron_ucp.convert.deepspeed DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress]
+    python -m megatron_ucp.convert.deepspeed DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress] [--qkv-layout thirds|grouped]
 
 DS_UNIVERSAL_DIR is what `python -m deepspeed.checkpoint.ds_to_universal` wrote: `zero/<param>/
 {fp32,exp_avg,exp_avg_sq,step}.pt` (full, TP-merged tensors), `zero/optimizer_state.pt` and the
@@ -10,9 +10,12 @@ result is a universal checkpoint at the same iteration with the fp32 master weig
 moments and step, the scheduler, the consumed samples and the architecture, and the flags to
 continue with (also stored in the manifest for `--use-checkpoint-args`).
 
-Names, shapes and merge records are checked by deepspeed_map.py. Every file is input from
-strangers: only regular files inside the folder are opened, each bounded in size, unpickled
-with `weights_only` (safe_pickle); the few DeepSpeed classes `optimizer_state.pt` names are read
+Names, shapes and merge records are checked by deepspeed_map.py, query_key_value's row order
+(Megatron-DeepSpeed's per-group one, or its thirds since commit 676a482c) by deepspeed_qkv.py,
+every stored value's type and range by deepspeed_values.py. Every file is input from strangers:
+only regular files inside the folder are opened, each bounded in size, unpickled with
+`weights_only` (safe_pickle); the few DeepSpeed classes `optimizer_state.pt` names, and the
+enums Megatron-DeepSpeed's args hold (`model_type`: megatron.core.enums.ModelType), are read
 into inert stand-ins. One parameter's tensors are in memory at a time (writer.py streams them).
 
 DeepSpeed's universal format drops the vocabulary padding rows (ds_to_universal keeps
