@@ -239,6 +239,7 @@ def test_unknown_names_refused(names, named):
     (dict(use_rotary_position_embeddings=False), "neither rotary nor learned"),
     (dict(rotary_percent=0.5), "rotary_percent 0.5"),
     (dict(normalization="scalenorm"), "normalization 'scalenorm'"),
+    (dict(ds_sequence_parallel_fpdt=True), r"FPDT chunked attention \(args.ds_sequence_parallel_fpdt\)"),
 ])
 def test_options_refused(change, named):
     with pytest.raises(ConfigError, match=named):

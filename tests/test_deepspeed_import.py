@@ -341,7 +341,8 @@ def test_hostile_value_one_line(tmp_path, where, key, value, named):
 
 
 def test_unused_non_finite_args_are_written_as_text(tmp_path):
-    """inf and NaN in args the import does not use are kept as text: ucp.json stays strict JSON."""
+    """inf and NaN in args the import does not use are kept as text: ucp.json stays strict JSON,
+    and `inspect --verify` passes."""
     folder, _ = build(tmp_path / "ds", min_loss_scale=float("inf"), loss_scale=float("nan"))
     import_(folder, str(tmp_path / "out"), progress=False)
 
@@ -350,6 +351,9 @@ def test_unused_non_finite_args_are_written_as_text(tmp_path):
     manifest = json.loads((tmp_path / "out" / "iter_0000005" / "ucp.json").read_text(), parse_constant=refuse)
     args = manifest["source"]["megatron_deepspeed_args"]
     assert (args["min_loss_scale"], args["loss_scale"]) == ("inf", "nan")
+    from megatron_ucp.commands.inspect_checkpoint import main as inspect
+
+    assert inspect([str(tmp_path / "out"), "--verify"]) == 0
 
 
 # ---- where the output goes, and how many writers --------------------------------------------------

@@ -266,7 +266,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
                                                          1, dv.MAX_PARALLEL)
     dv.padded_vocab(model.vocab_size, model.padded_vocab_size, divisible, tp, path)
     layout_of_qkv = qkv.qkv_layout(args, model, qkv_layout, path)
-    qkv_order = qkv.qkv_rows(layout_of_qkv, model, tp)
+    qkv_order = qkv.qkv_rows(layout_of_qkv, model, tp, path)
     shapes = dsm.expected(model)
     by_mc = {mc: ds for ds, mc in mapping.items()}
     vocab_names = {ds for ds, mc in mapping.items() if mc in dsm.VOCAB}

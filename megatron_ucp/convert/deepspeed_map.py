@@ -60,6 +60,9 @@ _REFUSED_FLAGS = {
     "mos": "mixture of softmaxes",
     "kd": "knowledge distillation heads",
     "embed_layernorm": "a layernorm after the embedding",
+    # DeepSpeed's FPDT_Attention (deepspeed/sequence/fpdt_layer.py): its own parameters
+    # (qkv_linear_weight, ...), chunked attention without dropout
+    "ds_sequence_parallel_fpdt": "FPDT chunked attention",
 }
 
 

@@ -53,7 +53,7 @@ def qkv_layout(args: dict, m: Model, choice: Optional[str], where: str) -> str:
                       "--qkv-layout grouped")
 
 
-def qkv_rows(layout: str, m: Model, tp: int):
+def qkv_rows(layout: str, m: Model, tp: int, where: str = "the checkpoint"):
     """For each row of megatron-core's linear_qkv (per group: its query heads, key, value), the
     row of the checkpoint's query_key_value holding it; None where the orders agree. 'thirds'
     is per saving TP rank: ds_to_universal concatenates the ranks' [Q_r; K_r; V_r]."""
@@ -61,7 +61,8 @@ def qkv_rows(layout: str, m: Model, tp: int):
         return None
     heads, kv = m.num_attention_heads, m.kv_channels
     if heads % tp:
-        raise ConfigError(f"{heads} attention heads do not split over the saving run's {tp} TP ranks")
+        raise ConfigError(f"{where}: {heads} attention heads do not split over the saving run's {tp} TP ranks "
+                          "(checkpoint_parallel_dimensions.tp_degree), which the thirds layout is cut by")
     per = heads // tp
     rows = []
     for h in range(heads):
