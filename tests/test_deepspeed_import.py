@@ -152,7 +152,8 @@ def test_thirds_moments_reordered_with_the_weights(layouts):
     m = read_manifest(str(run["target"] / "iter_0000005"))
     assert m.source["qkv_layout"] == "thirds"
     name = "language_model.encoder.layers.1.self_attention.query_key_value.weight"
-    mine = load_file(str(run["target"] / "iter_0000005" / m.tensors["decoder.layers.1.self_attention.linear_qkv.weight"].file))
+    qkv = m.tensors["decoder.layers.1.self_attention.linear_qkv.weight"]
+    mine = load_file(str(run["target"] / "iter_0000005" / qkv.file))
     model = type("M", (), {"num_attention_heads": 4, "kv_channels": 8})
     rows = dsq.qkv_rows("thirds", model, 2)
     for state in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -212,7 +213,8 @@ def test_token_based_schedule_refused(tmp_path, keys):
 
 
 @pytest.mark.parametrize("padded,divisible,named", [
-    (4_000_000, 128, "padded_vocab_size 4000000 .*pads it to a multiple of make_vocab_size_divisible_by 128 x TP 1: 256"),
+    (4_000_000, 128,
+     "padded_vocab_size 4000000 .*pads it to a multiple of make_vocab_size_divisible_by 128 x TP 1: 256"),
     (65536, 65536, "padded_vocab_size 65536 adds 65286 padding rows .*at most 8192 are accepted"),
     (4_000_000, 4_000_000, r"args.make_vocab_size_divisible_by is 4000000, expected an integer in \[1, 1048576\]"),
     (512, 128, "padded_vocab_size 512 .*: 256"),
@@ -260,6 +262,7 @@ ARGS_CASES = {  # args.KEY: value -> what the line says
                    (float("inf"), "args.num_layers is 'inf'")],
     "data_path": [(DEEP, "args.data_path: nested deeper than 16 levels")],
 }
+SCHEDULER = ds_universal.megatron_deepspeed_scheduler(5)
 STATE_CASES = {  # model states' KEY: value -> what the line says
     "iteration": [(-5, "iteration is -5"), ("5", "iteration is '5'")],
     "checkpoint_parallel_dimensions": [({"tp_degree": "2", "pp_degree": 1}, "TP degree .* is '2'"),
@@ -275,17 +278,18 @@ STATE_CASES = {  # model states' KEY: value -> what the line says
                      (["x"], r"param_shapes\[0\] is 'x'"),
                      ([{"language_model.embedding.word_embeddings.weight": "abc"}], "expected a shape"),
                      ([{"language_model.embedding.word_embeddings.weight": [float("nan"), 32]}], "expected a shape")],
-    "lr_scheduler": [(dict(ds_universal.megatron_deepspeed_scheduler(5), max_lr=float("nan")), "lr_scheduler.max_lr is nan"),
-                     (dict(ds_universal.megatron_deepspeed_scheduler(5), num_steps=-1), "lr_scheduler.num_steps is -1"),
-                     (dict(ds_universal.megatron_deepspeed_scheduler(5), min_lr=-0.1), "lr_scheduler.min_lr is -0.1"),
-                     (dict(ds_universal.megatron_deepspeed_scheduler(5), lr_decay_style="x"), "lr_decay_style is 'x'"),
+    "lr_scheduler": [(dict(SCHEDULER, max_lr=float("nan")), "lr_scheduler.max_lr is nan"),
+                     (dict(SCHEDULER, num_steps=-1), "lr_scheduler.num_steps is -1"),
+                     (dict(SCHEDULER, min_lr=-0.1), "lr_scheduler.min_lr is -0.1"),
+                     (dict(SCHEDULER, lr_decay_style="x"), "lr_decay_style is 'x'"),
                      ("sched", "lr_scheduler is 'sched', expected a dict"),
-                     (dict(ds_universal.megatron_deepspeed_scheduler(5), start_wd=float("inf")), "start_wd is inf")],
+                     (dict(SCHEDULER, start_wd=float("inf")), "start_wd is inf")],
 }
 GROUP_CASES = [  # zero/optimizer_state.pt's param group changes -> what the line says
     ({"betas": ("a", 0.999)}, r"betas\[0\] is 'a'"), ({"betas": (0.9, float("nan"))}, r"betas\[1\] is nan"),
     ({"betas": (0.9,)}, "betas is a tuple of 1, expected two numbers"), ({"betas": 0.9}, "betas is 0.9"),
-    ({"betas": (0.9, 1.5)}, r"betas\[1\] is 1.5"), ({"eps": -1e-8}, "eps is -1e-08"), ({"eps": "tiny"}, "eps is 'tiny'"),
+    ({"betas": (0.9, 1.5)}, r"betas\[1\] is 1.5"), ({"eps": -1e-8}, "eps is -1e-08"),
+    ({"eps": "tiny"}, "eps is 'tiny'"),
     ({"weight_decay": -0.1}, "weight_decay is -0.1"), ({"weight_decay": float("inf")}, "weight_decay is inf"),
     ({"lr": float("nan")}, "lr is nan"),
 ]

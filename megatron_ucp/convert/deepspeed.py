@@ -1,6 +1,7 @@
 """Import a DeepSpeed universal checkpoint of a Megatron-DeepSpeed GPT as one of ours.
 
-    python -m megatron_ucp.convert.deepspeed DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress] [--qkv-layout thirds|grouped]
+    python -m megatron_ucp.convert.deepspeed DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress]
+        [--qkv-layout thirds|grouped]
 
 DS_UNIVERSAL_DIR is what `python -m deepspeed.checkpoint.ds_to_universal` wrote: `zero/<param>/
 {fp32,exp_avg,exp_avg_sq,step}.pt` (full, TP-merged tensors), `zero/optimizer_state.pt` and the
@@ -77,8 +78,8 @@ STAND_INS = [(Opaque, name) for name in (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.checkpoint.universal_checkpoint.SubparamShape",  # an fp32.pt's record, refused by name
-)] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType") for module in ("megatron.enums", "megatron.model.enums")
-      ] + megatron_args.STAND_INS
+)] + [(PositionEmbeddingType, f"{module}.PositionEmbeddingType")
+      for module in ("megatron.enums", "megatron.model.enums")] + megatron_args.STAND_INS
 
 
 def _pickle_size(path: str, what: str) -> int:
@@ -167,7 +168,8 @@ def adam_groups(folder: str) -> list:
         raise FormatError(f"{path}: no 'param_groups' list")
     for g in groups:
         if not ("betas" in g and "eps" in g):
-            raise ConfigError(f"{path}: a param group without betas and eps ({sorted(map(str, g))}): not an Adam optimizer")
+            raise ConfigError(f"{path}: a param group without betas and eps ({sorted(map(str, g))}): "
+                              "not an Adam optimizer")
         if g.get("amsgrad"):
             raise ConfigError(f"{path}: AMSGrad (megatron-core's Adam has none)")
         if g.get("decoupled_weight_decay") is False and g.get("weight_decay"):

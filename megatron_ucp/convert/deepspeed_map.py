@@ -278,7 +278,8 @@ def check_names(m: Model, mapping: Dict[str, str], where: str = "the checkpoint"
     layers = {int(mc.split(".")[2]) for mc in mapping.values() if mc.startswith("decoder.layers.")}
     if layers != set(range(m.num_layers)):  # before expected() builds num_layers' names
         raise ConfigError(f"{where}: the args describe {m.num_layers} transformer layers, the checkpoint's parameter "
-                          f"folders hold {len(layers)}" + (f" (numbered {min(layers)}..{max(layers)})" if layers else ""))
+                          f"folders hold {len(layers)}"
+                          + (f" (numbered {min(layers)}..{max(layers)})" if layers else ""))
     want = expected(m)
     seen: Dict[str, str] = {}
     for ds, mc in mapping.items():

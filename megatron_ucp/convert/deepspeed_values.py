@@ -36,8 +36,10 @@ def real(value, where: str, lo: float = None, hi: float = None, above: float = N
     ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
     ok = ok and (lo is None or value >= lo) and (hi is None or value <= hi) and (above is None or value > above)
     if not ok:
-        bounds = [f">= {lo}"] * (lo is not None) + [f"<= {hi}"] * (hi is not None) + [f"> {above}"] * (above is not None)
-        raise FormatError(f"{where} is {_short(value)}, expected a finite number" + (f" {' and '.join(bounds)}" if bounds else ""))
+        bounds = [f">= {lo}"] * (lo is not None) + [f"<= {hi}"] * (hi is not None) \
+            + [f"> {above}"] * (above is not None)
+        raise FormatError(f"{where} is {_short(value)}, expected a finite number"
+                          + (f" {' and '.join(bounds)}" if bounds else ""))
     return float(value)
 
 
