@@ -185,7 +185,7 @@ def test_piece_checksum_is_over_every_byte(tmp_path):
     data = local_piece.encode([("w", Region("", (0, 0), (2, 3), 1, 5))],
                               [{"param": np.arange(4, dtype=np.float32)}], {"iteration": 3})
     local_piece.write_piece(str(tmp_path), 3, 1, data)
-    meta, regions = local_piece.decode(local_piece.read_piece(str(tmp_path), 3, 1), "p")
+    meta, regions = local_piece.decode(local_piece.read_piece(str(tmp_path), 3, 1, len(data), zlib.crc32(data)), "p")
     assert meta["iteration"] == 3 and regions[0][1] == Region("", (0, 0), (2, 3), 1, 5)
     assert regions[0][2]["param"].tolist() == [0, 1, 2, 3]
     path = Path(local_piece.piece_path(str(tmp_path), 3, 1))
@@ -194,13 +194,13 @@ def test_piece_checksum_is_over_every_byte(tmp_path):
         raw[at] ^= 1
         path.write_bytes(bytes(raw))
         with pytest.raises(IntegrityError, match=f"{path}: CRC-32 {zlib.crc32(bytes(raw)):08x}"):
-            local_piece.read_piece(str(tmp_path), 3, 1)
+            local_piece.read_piece(str(tmp_path), 3, 1, len(data), zlib.crc32(data))
 
 
 def test_a_fifo_in_the_tier_is_a_bad_copy_not_a_hang(tmp_path):
-    """A FIFO in place of a piece, its sidecar or a COMPLETE marker: the piece is refused by name
-    (IntegrityError: the restart takes another copy), the marker's iteration not listed, and no
-    read blocks (a FIFO without a writer would hang open() or read())."""
+    """A FIFO in place of a piece, its sidecar or a COMPLETE marker: the piece or sidecar is
+    refused by name (the restart takes another copy), the marker's iteration not believed, and
+    no read blocks (a FIFO without a writer would hang open() or read())."""
     import os
 
     import numpy as np
@@ -210,22 +210,31 @@ def test_a_fifo_in_the_tier_is_a_bad_copy_not_a_hang(tmp_path):
     from megatron_ucp.format.layout import Region
 
     data = local_piece.encode([("w", Region("", (0,), (4,), 0, 4))], [{"param": np.zeros(4, np.float32)}], {})
-    local_piece.write_piece(str(tmp_path), 3, 1, data)
+    local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
     local_piece.mark_complete(str(tmp_path), 3, 2)
     path = Path(local_piece.piece_path(str(tmp_path), 3, 1))
-    for victim in (path, path.with_suffix(".json")):
+    from megatron_ucp.errors import FormatError
+
+    side = path.with_suffix(".json")
+    readers = {path: lambda: local_piece.read_header(str(path)),
+               side: lambda: local_piece.sidecar(str(tmp_path), 3, 1)}
+    for victim, read in readers.items():
         saved = victim.read_bytes()
         victim.unlink()
         os.mkfifo(victim)
-        with pytest.raises(IntegrityError, match=f"{path}: unreadable .*is a FIFO, expected a regular file"):
-            local_piece.read_piece(str(tmp_path), 3, 1)
+        with pytest.raises(FormatError, match=f"{victim} is a FIFO, expected a regular file"):
+            read()
+        if victim == path:
+            with pytest.raises(IntegrityError, match=f"{path}: unreadable .*is a FIFO, expected a regular file"):
+                local_piece.read_piece(str(tmp_path), 3, 1, len(data), zlib.crc32(data))
         victim.unlink()
         victim.write_bytes(saved)
-    assert local_piece.listed_size(str(tmp_path), 3, 1) == (len(data), None)
+    assert local_piece.sidecar(str(tmp_path), 3, 1)["bytes"] == len(data)
     marker = tmp_path / "iter_0000003" / local_piece.COMPLETE
     marker.unlink()
     os.mkfifo(marker)
     assert local_piece.complete_iterations(str(tmp_path)) == {}
+    assert "is a FIFO" in local_piece.markers(str(tmp_path))[3][1]
 
 
 def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
@@ -237,8 +246,8 @@ def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
     from megatron_ucp.engine import local_tier
     from megatron_ucp.errors import ConfigError
 
-    tier = types.SimpleNamespace(leader=True, node_dir=str(tmp_path / "n0"), host="n0",
-                                 hosts=["n0", "n0", "n1", "n1"], replicas=1)
+    tier = types.SimpleNamespace(leader=True, node_dir=str(tmp_path / "n0"), host="n0", root=str(tmp_path),
+                                 hosts=["n0", "n0", "n1", "n1"], replicas=1, job={"id": "a", "run": "b"})
     usage = collections.namedtuple("usage", "total used free")
     gib = 2**30
     monkeypatch.setattr(local_tier.shutil, "disk_usage", lambda path: usage(0, 0, 5 * gib))
