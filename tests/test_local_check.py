@@ -258,3 +258,69 @@ def test_job_id_is_made_once_and_read_back(tmp_path):
     (tmp_path / "save" / local_piece.JOB_FILE).write_text('{"id": "../x"}')
     with pytest.raises(FormatError, match=f"{local_piece.JOB_FILE}: job id '../x', expected"):
         local_piece.job_id(str(tmp_path / "save"), create=False)
+
+
+def _tier(root, **kw):
+    return types.SimpleNamespace(leader=True, root=str(root), node_dir=os.path.join(str(root), "n0"), host="n0",
+                                 hosts=["n0"], replicas=0, job=JOB, **kw)
+
+
+def test_an_unusable_tier_dir_is_one_line_at_start(tmp_path, monkeypatch):
+    """--local-ckpt-dir a regular file, /dev/null, or read-only: a ConfigError naming it, not an
+    OSError traceback from the space check."""
+    import errno
+
+    from megatron_ucp.engine import local_tier
+    from megatron_ucp.errors import ConfigError
+
+    (tmp_path / "file").write_text("x")
+    for root in (tmp_path / "file", Path("/dev/null")):
+        with pytest.raises(ConfigError, match=f"--local-ckpt-dir {root}: cannot use {root}/n0 .*expected a "
+                                              "writable folder"):
+            local_tier._check_space(_tier(root), [1])
+
+    def read_only(path, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(local_tier.os, "makedirs", read_only)
+    with pytest.raises(ConfigError, match="cannot use .*Read-only file system"):
+        local_tier._check_space(_tier(tmp_path / "ro"), [1])
+
+
+def test_two_live_jobs_on_one_tier_dir_are_refused(tmp_path):
+    """A node dir held by a live process of another job is refused as a --save folder is."""
+    import socket
+
+    from megatron_ucp.engine import local_tier, ownership
+    from megatron_ucp.errors import SaveError
+
+    tier = _tier(tmp_path)
+    os.makedirs(tier.node_dir)
+    live = os.getppid()  # a live process that is not this one
+    (Path(tier.node_dir) / ownership.OWNER).write_text(json.dumps(
+        {"job": "another", "host": socket.gethostname(), "pid": live, "start": ownership.process_start(live)}))
+    with pytest.raises(SaveError, match=f"{tier.node_dir} is being written by another job .*use another "
+                                        "--local-ckpt-dir folder"):
+        local_tier._check_space(tier, [1])
+
+
+def test_save_and_tier_dirs_are_kept_apart(tmp_path):
+    """--save inside the tier's dir (the tier would prune it) or the tier inside --save: refused
+    at start, in the own loop's validation and in Megatron-LM's flags (the plug-in's adopt)."""
+    import argparse
+
+    from megatron_ucp.errors import ConfigError
+    from megatron_ucp.mcore.flag_validation import check_tier_apart
+    from megatron_ucp.megatron_lm import local_tier as plugin
+
+    local = tmp_path / "L"
+    for save, where in ((local / "n0", "is inside"), (local, "is"), (tmp_path, "holds")):
+        with pytest.raises(ConfigError, match=f"--save {save} {where} --local-ckpt-dir {local}: "):
+            check_tier_apart(str(save), str(local))
+    check_tier_apart(str(tmp_path / "ckpt"), str(local))
+    check_tier_apart(str(tmp_path / "L2"), str(local))  # a shared prefix is not nesting
+    args = argparse.Namespace(non_persistent_ckpt_type="local", ckpt_format="universal",
+                              non_persistent_local_ckpt_dir=str(local), non_persistent_save_interval=2,
+                              save=str(local / "n0"), replication=False, replication_factor=2)
+    with pytest.raises(ConfigError, match="is inside --non-persistent-local-ckpt-dir"):
+        plugin.adopt(args)

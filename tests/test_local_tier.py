@@ -292,3 +292,89 @@ def test_check_loss_sets_a_bad_local_iteration_aside(tmp_path):
             assert tier.restored is None  # checked once, after the first iteration only
     finally:
         dist.destroy_process_group()
+
+
+def _forge(local: Path, node: str, rank: int, data: bytes, **sidecar) -> None:
+    """`data` as `node`'s copy of `rank`'s piece of 6, with a sidecar that matches it (size and
+    CRC-32): what a hostile or mistaken copy looks like to the restore."""
+    path = _piece(local, node, rank)
+    path.write_bytes(data)
+    side = path.with_suffix(".json")
+    record = dict(json.loads(side.read_text()), bytes=len(data), crc32=zlib.crc32(data), **sidecar)
+    side.write_text(json.dumps(record))
+
+
+def _without_a_region(data: bytes) -> bytes:
+    from megatron_ucp.format import local_piece
+
+    meta, regions = local_piece.decode(data, "piece")
+    kept = regions[:-1]
+    return local_piece.encode([(n, r) for n, r, _ in kept], [s for _, _, s in kept], meta)
+
+
+def _complete_says_world_1(local: Path) -> None:
+    for node in ("node0", "node1"):
+        marker = local / node / "iter_0000006" / "COMPLETE"
+        marker.write_text(json.dumps(dict(json.loads(marker.read_text()), world=1)))
+
+
+def _sparse_with_lying_sidecar(local: Path) -> None:
+    path = _piece(local, "node0", 0)
+    with open(path, "r+b") as f:
+        f.truncate(3 * 2**30)
+    side = path.with_suffix(".json")
+    side.write_text(json.dumps(dict(json.loads(side.read_text()), bytes=3 * 2**30)))
+
+
+# damage to the killed job's tiers -> (restored from: 6 = the other node's sound copies, 5 = the
+# persistent checkpoint, 0 = a new job: from scratch), text the one line names
+HOSTILE = {
+    "swapped": (lambda local: _forge(local, "node0", 1, _piece(local, "node0", 0).read_bytes()), 6,
+                "node0/iter_0000006/rank_00001.safetensors: records rank 0, expected 1"),
+    "other_iteration": (lambda local: _forge(local, "node0", 1, _piece(local, "node0", 1, 4).read_bytes(),
+                                             iteration=6), 6,
+                        "node0/iter_0000006/rank_00001.safetensors: records iteration 4, expected 6"),
+    "sparse": (_sparse_with_lying_sidecar, 6, "node0/iter_0000006/rank_00000.safetensors: 3221225472 bytes, "
+               "its regions make"),
+    "world_1": (_complete_says_world_1, 5, "records world 4, expected 1"),
+    "dropped": (lambda local: [_forge(local, n, 1, _without_a_region(_piece(local, n, 1).read_bytes()))
+                               for n in ("node0", "node1")], 5, "its pieces do not cover the tensors"),
+}
+
+
+def test_hostile_copies_are_named_and_never_used(crashed, tmp_path):
+    """Issue 47: copies that name another slot (with matching CRCs), a sparse 3 GiB piece whose
+    sidecar says so, a COMPLETE marker that shrinks the world (with --no-load-rng), a region
+    dropped from both copies, and a new job on an old job's tier. Each restart (one group of 2
+    processes on node0 and node1, the job's tiers copied per case) names the bad copy in one line
+    and restores from the sound copy on the other node, or the persistent checkpoint, with the
+    uninterrupted run's losses: before, each took the copy and trained on half-zero or foreign
+    state ("restored iteration 6")."""
+    ref, job = crashed
+    steps = []
+    for name, (damage, _, _) in HOSTILE.items():
+        root = tmp_path / name
+        shutil.copytree(job / "ckpt", root / "ckpt")
+        shutil.copytree(job / "local", root / "local")
+        damage(root / "local")
+        steps.append({"name": name, "op": "train", "hosts": ["node0", "node1"], "fatal": False,
+                      "argv": _argv(root, local_interval=100, save=False) + ["--no-load-rng"]})
+    new = tmp_path / "new_job"  # its own --save, no checkpoint yet, the old job's tier
+    shutil.copytree(job / "local", new / "local")
+    steps.append({"name": "new_job", "op": "train", "hosts": ["node0", "node1"], "fatal": False,
+                  "argv": _with(_argv(new, iters=3, local_interval=100), "--save-interval", "100")})
+    results = run_steps(2, steps, tmp_path, allow_failure=True)
+    wrong = {}  # every case judged, so that a failure lists each case that failed
+    for name, (_, start, named) in HOSTILE.items():
+        r = results.get(name, {})
+        resumed = {int(k): v for k, v in r.get("losses", {}).items()}
+        lines = [x for x in r.get("stdout", "").splitlines() if "local checkpoint tier:" in x and "iteration 6" in x]
+        if "error" in r or not resumed or min(resumed) != start + 1 or max_loss_delta(ref, resumed) > 1e-4:
+            wrong[name] = (f"resumed {sorted(resumed)[:1]}, expected {start + 1}", r.get("error"), lines)
+        elif not (len(lines) == 1 and named in lines[0]):
+            wrong[name] = ("line", lines)
+    r = results.get("new_job", {})  # a fresh start on another layout: its own initialisation
+    lines = [x for x in r.get("stdout", "").splitlines() if "local checkpoint tier: local iteration 6 not used" in x]
+    if sorted(int(k) for k in r.get("losses", {})) != [1, 2, 3] or len(lines) != 1 or "another job's" not in lines[0]:
+        wrong["new_job"] = (sorted(r.get("losses", {})), r.get("error"), lines)
+    assert not wrong, wrong

@@ -109,7 +109,8 @@ def choose(inventories: Sequence[Sequence[Iteration]], newer_than: int) -> Choic
             break
         refused = sorted({it.refused for it in by_iteration[iteration] if it.refused is not None})
         if refused:
-            notes.append(f"local iteration {iteration} not used: " + "; ".join(refused))
+            more = f"; and on {len(refused) - 2} more node(s)" if len(refused) > 2 else ""
+            notes.append(f"local iteration {iteration} not used: " + "; ".join(refused[:2]) + more)
         found = [it for it in by_iteration[iteration] if it.refused is None]
         if not found:
             continue
