@@ -34,9 +34,8 @@ KEPT = 2  # complete local iterations kept per node
 CPU = torch.device("cpu")
 # The arguments that define a run beside its model (none that a restart on another layout, or
 # with more iterations, changes): a tier's iterations are the run's only while they agree.
-RUN_ARGS = CHECKPOINT_ARGS + ("seed", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "weight_decay",
-                              "clip_grad", "adam_beta1", "adam_beta2", "global_batch_size", "data_path",
-                              "tokenizer_type", "fp16", "bf16")
+RUN_ARGS = CHECKPOINT_ARGS + ("seed", "lr", "min_lr", "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1",
+                              "adam_beta2", "global_batch_size", "data_path", "tokenizer_type", "fp16", "bf16")
 
 
 def job_identity(args) -> dict:
