@@ -201,27 +201,36 @@ def test_a_huge_world_in_a_marker_builds_nothing_per_rank():
 
 
 def test_copies_that_differ_keep_the_one_that_completes_the_tensors():
-    """Rank 1's copy on n0 lost a region (CRC-32 recomputed); n1's is whole: n1's is kept."""
-    def seen(host, rank, items, crc):
-        return local_check.Seen(host, rank, f"{host}/rank_{rank}", crc, None,
-                                tuple((n, r, ("param",)) for n, r in items), _head() if rank == 0 else None)
+    """Rank 1's copy on n0 lost a region (CRC-32 recomputed); n1's is whole: n1's is kept. Only
+    one copy of each distinct header carries its regions to the check."""
+    carried = {(0, "h0"): (tuple((n, r, ("param",)) for n, r in SHARES[0]), _head()),
+               (1, "h1"): (tuple((n, r, ("param",)) for n, r in SHARES[1]), None),
+               (1, "torn"): ((), None), (1, "torn2"): ((), None)}
 
-    whole = [seen(h, r, SHARES[r], 7 + r) for h in ("n0", "n1") for r in (0, 1)]
-    assert local_check.vet(whole) == ([], None)
-    torn = [s for s in whole if not (s.host == "n0" and s.rank == 1)] + [seen("n0", 1, [], 99)]
-    bad, problem = local_check.vet(torn)
+    def seen(host, rank, digest, crc):
+        return local_check.Seen(host, rank, f"{host}/rank_{rank}", crc, digest)
+
+    whole = [seen(h, r, f"h{r}", 7 + r) for h in ("n0", "n1") for r in (0, 1)]
+    assert local_check.carriers(whole) == {("n0", 0), ("n0", 1)}
+    assert local_check.vet(whole, carried) == ([], None)
+    torn = [s for s in whole if not (s.host == "n0" and s.rank == 1)] + [seen("n0", 1, "torn", 99)]
+    assert local_check.carriers(torn) == {("n0", 0), ("n0", 1), ("n1", 1)}
+    bad, problem = local_check.vet(torn, carried)
     assert problem is None and bad == [("n0", 1, "n0/rank_1: differs from the copy on n1 and leaves the "
                                                  "tensors incomplete")]
-    both = [s for s in torn if not (s.host == "n1" and s.rank == 1)] + [seen("n1", 1, [], 98)]
-    bad, problem = local_check.vet(both)  # neither completes: both copies bad, named
+    both = [s for s in torn if not (s.host == "n1" and s.rank == 1)] + [seen("n1", 1, "torn2", 98)]
+    bad, problem = local_check.vet(both, carried)  # neither completes: both copies bad, named
     assert {(h, r) for h, r, _ in bad} == {("n0", 1), ("n1", 1)} and problem is None
+    same_header = whole[:3] + [seen("n1", 1, "h1", 5)]  # equal regions, other data: undecidable
+    bad, _ = local_check.vet(same_header, carried)
+    assert {(h, r) for h, r, _ in bad} == {("n0", 1), ("n1", 1)} and "none can be told sound" in bad[0][2]
 
 
 def test_piece_layout_is_the_file_size_and_refuses_a_lying_table(tmp_path):
     data = _encode(6, 0)
     path = tmp_path / "p.safetensors"
     path.write_bytes(data)
-    meta, table, n, size = local_piece.read_header(str(path))
+    meta, table, n, size, _ = local_piece.read_header(str(path))
     regions, expected = local_check.piece_layout(meta, table, n, str(path))
     assert expected == size == len(data) and [r for _, r, _ in regions] == [r for _, r in SHARES[0]]
     table["0.param"]["shape"] = [7]
@@ -324,3 +333,17 @@ def test_save_and_tier_dirs_are_kept_apart(tmp_path):
                               save=str(local / "n0"), replication=False, replication_factor=2)
     with pytest.raises(ConfigError, match="is inside --non-persistent-local-ckpt-dir"):
         plugin.adopt(args)
+
+
+def test_a_piece_must_still_hold_the_header_that_was_checked(tmp_path):
+    """The data read after the check must carry the checked header (a piece replaced between
+    the two reads, CRC and all, is refused by name)."""
+    from megatron_ucp.errors import IntegrityError
+
+    _save(tmp_path, 6)
+    path = local_piece.piece_path(str(tmp_path), 6, 1)
+    digest = local_piece.read_header(path)[4]
+    data = Path(path).read_bytes()
+    assert local_piece.read_piece(str(tmp_path), 6, 1, len(data), zlib.crc32(data), digest) == data
+    with pytest.raises(IntegrityError, match=f"{path}: its header changed after it was checked"):
+        local_piece.read_piece(str(tmp_path), 6, 1, len(data), zlib.crc32(data), "0" * 64)

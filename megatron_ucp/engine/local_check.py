@@ -15,7 +15,7 @@ torch.distributed), run before a piece's data is read and before anything is loa
 Each problem is one line naming the file and what was expected.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -155,62 +155,82 @@ def coverage(part_shapes: dict, regions) -> List[str]:
 
 @dataclass(frozen=True)
 class Seen:
-    """What a node's leader found in one copy of a piece of the chosen iteration: its file,
-    its sidecar's CRC-32, and either why it is bad or its regions (and rank 0's head)."""
+    """What a node's leader found in one copy of a piece of the chosen iteration: its file, its
+    sidecar's CRC-32, the digest of its header (equal digests: equal regions), and why it is
+    bad, if it is."""
 
     host: str
     rank: int
     path: str
     crc32: int
+    digest: str = ""
     problem: Optional[str] = None
-    regions: tuple = field(default=(), compare=False)
-    head: Optional[dict] = field(default=None, compare=False)
 
 
-def vet(seen: Sequence[Seen]) -> Tuple[List[Tuple[str, int, str]], Optional[str]]:
+def carriers(seen: Sequence[Seen]) -> set:
+    """(host, rank) of the one copy of each distinct header of each rank (the first host in
+    name order) whose regions the check needs: the others' headers are the same bytes."""
+    first: Dict[tuple, str] = {}
+    for s in seen:
+        if s.problem is None and ((s.rank, s.digest) not in first or s.host < first[(s.rank, s.digest)]):
+            first[(s.rank, s.digest)] = s.host
+    return {(host, rank) for (rank, _), host in first.items()}
+
+
+def vet(seen: Sequence[Seen], carried: Dict[tuple, tuple]) -> Tuple[List[Tuple[str, int, str]], Optional[str]]:
     """([(host, rank, why)] of the copies found bad, why the iteration is unusable or None),
-    the same on every rank (a function of the gathered `seen`). Copies checked against the
-    head of rank 0's first sound copy; where a rank's copies differ, the one that completes
-    the coverage stays; with one copy per rank left, the coverage is checked whole."""
+    from every copy's Seen and the carriers' (rank, digest) -> (regions, rank 0's head). Copies
+    with problems first (the choice is made again without them, with other carriers); then the
+    regions of each distinct header against the head of rank 0's first copy; where a rank's
+    copies differ, the one that completes the coverage stays; with one per rank, the coverage
+    is checked whole."""
     bad = [(s.host, s.rank, f"{s.path}: {s.problem}") for s in seen if s.problem]
-    sound = sorted((s for s in seen if not s.problem), key=lambda s: (s.rank, s.host))
+    if bad:
+        return bad, None
+    groups: Dict[int, Dict[tuple, List[Seen]]] = {}
+    for s in sorted(seen, key=lambda s: (s.rank, s.host)):
+        groups.setdefault(s.rank, {}).setdefault((s.digest, s.crc32), []).append(s)
+
+    def refuse(copies, why):
+        bad.extend((c.host, c.rank, f"{c.path}: {why}") for c in copies)
+
     entries = None
-    for s in (s for s in sound if s.rank == 0):
+    for (digest, _), copies in groups.get(0, {}).items():
         try:
-            entries = head_entries(s.head, s.path)
+            entries = head_entries(carried[(0, digest)][1], copies[0].path)
             break
         except FormatError as e:
-            bad.append((s.host, 0, str(e)))
+            refuse(copies, str(e).replace(f"{copies[0].path}: ", ""))
     if entries is None:
         return bad, None  # no sound copy of rank 0's piece: the choice finds it missing
     part_shapes = part_shapes_of(entries)
-    variants: Dict[int, Dict[int, List[Seen]]] = {}
-    for s in sound:
-        if (s.host, s.rank) in {(h, r) for h, r, _ in bad}:
-            continue
-        problem = regions_problem(s.regions, entries, part_shapes)
-        if problem:
-            bad.append((s.host, s.rank, f"{s.path}: {problem}"))
-        else:
-            variants.setdefault(s.rank, {}).setdefault(s.crc32, []).append(s)
+    for rank, variants in groups.items():
+        for (digest, _), copies in variants.items():
+            problem = regions_problem(carried[(rank, digest)][0], entries, part_shapes)
+            if problem:
+                refuse(copies, problem)
     if bad:
         return bad, None  # choose again without them first
-    base = {r: next(iter(v.values()))[0] for r, v in variants.items()}
+
+    def regions(rank, key):
+        return carried[(rank, key[0])][0]
+
+    base = {rank: next(iter(v)) for rank, v in groups.items()}
 
     def gaps(chosen):
-        return coverage(part_shapes, [x for s in chosen.values() for x in s.regions])
+        return coverage(part_shapes, [x for rank, key in chosen.items() for x in regions(rank, key)])
 
-    for rank, v in variants.items():
-        if len(v) == 1:
+    for rank, variants in groups.items():
+        if len(variants) == 1:
             continue
-        complete = [crc for crc, copies in v.items() if not gaps({**base, rank: copies[0]})]
-        for crc, copies in v.items():
-            if len(complete) == 1 and crc == complete[0]:
+        complete = [key for key in variants if not gaps({**base, rank: key})]
+        for key, copies in variants.items():
+            if len(complete) == 1 and key == complete[0]:
                 continue
-            why = ("differs from the copy on " + ", ".join(c.host for c in v[complete[0]])
+            refuse(copies, "differs from the copy on " + ", ".join(c.host for c in variants[complete[0]])
                    + " and leaves the tensors incomplete" if len(complete) == 1 else
-                   "its copies differ (CRC-32 " + ", ".join(f"{c:08x}" for c in v) + ") and none can be told sound")
-            bad += [(c.host, c.rank, f"{c.path}: {why}") for c in copies]
+                   "its copies differ (CRC-32 " + ", ".join(f"{k[1]:08x}" for k in variants)
+                   + ") and none can be told sound")
     if bad:
         return bad, None
     problems = gaps(base)

@@ -26,7 +26,7 @@ import time
 import torch.distributed as dist
 
 from megatron_ucp.engine import local_check, local_plan
-from megatron_ucp.engine.collective import all_true, run_everywhere
+from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.load import load_universal
 from megatron_ucp.engine.local_tier import CPU, exchange_bytes
 from megatron_ucp.engine.planner import part_shapes_of
@@ -71,32 +71,50 @@ def _copy(node_dir, host, iteration, world, job, rank) -> local_plan.Copy:
     return local_plan.Copy(host, rank, record["bytes"], crc32=record["crc32"])
 
 
-def _seen(tier, choice, copies, job) -> list:
-    """Leaders: local_check.Seen of each copy this node holds of the chosen iteration, from its
-    header alone (the slot its metadata records; its regions, of which its size follows, equal
-    to the file's and the sidecar's); other ranks: []."""
-    out = []
+def _seen(tier, choice, copies, job):
+    """Leaders: (local_check.Seen of each copy this node holds of the chosen iteration, and
+    {rank: (header digest, regions, rank 0's head)} of the sound ones), from its header alone:
+    the slot its metadata records; its regions, of which its size follows, equal to the file's
+    and the sidecar's. Other ranks: ([], {})."""
+    seen, details = [], {}
     if not tier.leader:
-        return out
+        return seen, details
     for rank, copy in sorted(copies.items()):
-        if rank not in choice.holders or tier.host not in choice.holders[rank]:
+        if tier.host not in choice.holders.get(rank, ()):
             continue
         path = local_piece.piece_path(tier.node_dir, choice.iteration, rank)
+        digest = ""
         try:
-            meta, table, header_len, size = local_piece.read_header(path)
+            meta, table, header_len, size, digest = local_piece.read_header(path)
             problem = local_check.slot_problem(meta, rank, choice.iteration, choice.world, job)
-            regions, expected = local_check.piece_layout(meta, table, header_len, path) if not problem else ((), 0)
-            if not problem and not expected == size == copy.nbytes:
-                problem = (f"{size} bytes, its regions make {expected} and its sidecar says {copy.nbytes} "
-                           "(not read)")
+            if not problem:
+                regions, expected = local_check.piece_layout(meta, table, header_len, path)
+                if not expected == size == copy.nbytes:
+                    problem = f"{size} bytes, its regions make {expected} and its sidecar says {copy.nbytes} (not read)"
+                details[rank] = (digest, tuple(regions), meta.get("head") if rank == 0 else None)
         except (FormatError, IncompleteCheckpointError) as e:
-            problem, regions, meta = str(e).replace(f"{path}: ", ""), (), {}
-        out.append(local_check.Seen(tier.host, rank, path, copy.crc32, problem, tuple(regions),
-                                    meta.get("head") if rank == 0 and not problem else None))
-    return out
+            problem = str(e).replace(f"{path}: ", "")
+        seen.append(local_check.Seen(tier.host, rank, path, copy.crc32, digest, problem))
+    return seen, details
 
 
-def _read_held(tier, choice, copies):
+def _vet(tier, choice, copies):
+    """Collective: local_check.vet of the chosen iteration's copies, decided on rank 0 from
+    every copy's Seen and the regions of one copy of each distinct header, and the same on
+    every rank: ([(host, rank, why)], why the iteration is unusable or None), and the header
+    digests of this node's copies (what their reads must find)."""
+    seen, details = run_everywhere(_seen, tier, choice, copies, tier.job, group=tier.group)
+    seen = _gathered(seen, tier.group)
+    carry = local_check.carriers(seen)
+    sent = {(rank, d[0]): d[1:] for rank, d in details.items() if (tier.host, rank) in carry}
+    carried = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sent, carried, dst=0, group=tier.group)
+    verdict = on_rank_zero(lambda: local_check.vet(seen, {k: v for part in carried for k, v in part.items()}),
+                           group=tier.group)
+    return verdict, {rank: d[0] for rank, d in details.items()}
+
+
+def _read_held(tier, choice, copies, digests):
     """Leaders: ({saving rank: bytes} of the sound copies of the chosen iteration on this node,
     [(host, iteration, rank, why)] of the bad ones), each piece read once, no further than its
     checked size, and checked against its CRC-32; other ranks: ({}, [])."""
@@ -107,7 +125,7 @@ def _read_held(tier, choice, copies):
         if tier.host in holding:
             try:
                 held[rank] = local_piece.read_piece(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
-                                                    copies[rank].crc32)
+                                                    copies[rank].crc32, digests.get(rank))
             except IntegrityError as e:
                 bad.append((tier.host, choice.iteration, rank, str(e)))
     return held, bad
@@ -128,13 +146,12 @@ def _choose(tier, found: list, newer_than: int):
         if choice.iteration is None:
             return choice, {}
         copies = local_plan.held_copies(found, choice.iteration, tier.host)
-        seen = _gathered(run_everywhere(_seen, tier, choice, copies, tier.job, group=tier.group), tier.group)
-        bad, problem = local_check.vet(seen)
+        (bad, problem), digests = _vet(tier, choice, copies)
         if problem is not None:
             found = local_plan.refuse(found, choice.iteration, problem)
             continue
         if not bad:
-            held, bad = run_everywhere(_read_held, tier, choice, copies, group=tier.group)
+            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, group=tier.group)
             bad = _gathered(bad, tier.group)
             if not bad:
                 return choice, held

@@ -15,6 +15,7 @@ layout assemble into a universal checkpoint folder that reshards on load. A node
 ranks' pieces (originals) and other nodes' replicas under the same names.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -135,9 +136,14 @@ def sidecar(node_dir: str, iteration: int, rank: int) -> dict:
     return record
 
 
-def read_header(path: str) -> Tuple[dict, dict, int, int]:
-    """(meta, tensor table, header length, file size) of a piece, reading its header only (a
-    piece's size is judged from its regions before its data is read): FormatError naming it."""
+def header_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def read_header(path: str) -> Tuple[dict, dict, int, int, str]:
+    """(meta, tensor table, header length, file size, header_digest) of a piece, reading its
+    header only (a piece's size is judged from its regions before its data is read):
+    FormatError naming it."""
     fd = open_regular(path, "local-tier piece")
     try:
         size = os.fstat(fd).st_size
@@ -158,13 +164,13 @@ def read_header(path: str) -> Tuple[dict, dict, int, int]:
         raise FormatError(f"{path}: not a local-tier piece ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or not isinstance(table, dict):
         raise FormatError(f"{path}: not a local-tier piece (its header is not a JSON object)")
-    return meta, table, n, size
+    return meta, table, n, size, header_digest(raw)
 
 
-def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int) -> bytes:
-    """A piece's bytes, `nbytes` of them (its size as the plan bounds it) with CRC-32 `crc32`:
-    IntegrityError naming the file otherwise. Only regular files are read (a FIFO would hang
-    the restart), never past `nbytes`."""
+def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int, digest: str = None) -> bytes:
+    """A piece's bytes, `nbytes` of them (its size as the plan bounds it) with CRC-32 `crc32`
+    and, given `digest`, the header that was checked: IntegrityError naming the file otherwise.
+    Only regular files are read (a FIFO would hang the restart), never past `nbytes`."""
     path = piece_path(node_dir, iteration, rank)
     try:
         data = read_bounded(path, "local-tier piece", nbytes)
@@ -174,6 +180,10 @@ def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int
         raise IntegrityError(f"{path}: {len(data)} bytes, its sidecar says {nbytes}")
     if zlib.crc32(data) != crc32:
         raise IntegrityError(f"{path}: CRC-32 {zlib.crc32(data):08x} differs from the saved {crc32:08x}")
+    if digest is not None:
+        n = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else 0
+        if header_digest(data[8:8 + n]) != digest:
+            raise IntegrityError(f"{path}: its header changed after it was checked")
     return data
 
 
