@@ -328,6 +328,12 @@ def test_save_and_tier_dirs_are_kept_apart(tmp_path):
             check_tier_apart(str(save), str(local))
     check_tier_apart(str(tmp_path / "ckpt"), str(local))
     check_tier_apart(str(tmp_path / "L2"), str(local))  # a shared prefix is not nesting
+    from megatron_ucp.mcore.flag_validation import validate_local_tier
+
+    own = argparse.Namespace(local_ckpt_dir=str(local), local_save_interval=2, local_ckpt_replicas=1,
+                             ckpt_format="universal", save=str(local / "n0"))
+    with pytest.raises(ConfigError, match=f"--save {local / 'n0'} is inside --local-ckpt-dir {local}: "):
+        validate_local_tier(own)  # the own loop's validation
     args = argparse.Namespace(non_persistent_ckpt_type="local", ckpt_format="universal",
                               non_persistent_local_ckpt_dir=str(local), non_persistent_save_interval=2,
                               save=str(local / "n0"), replication=False, replication_factor=2)
