@@ -133,8 +133,8 @@ def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
     raises it: a full shared file system, simulated at the write calls; no tmpfs without root
     here): a warning, training goes on, iteration 2 stays intact and the tracker on it, no
     folder of 4, and 6 saves once space returns. --exit-on-save-failure stops at 4 instead.
-    Then another model (hidden 64) pointed at that run's local tier starts from scratch after
-    one line, before loading anything."""
+    Then another model (hidden 64, another run) pointed at that run's local tier starts from
+    scratch after one line, before loading anything."""
     from megatron_ucp.format.manifest import read_manifest
 
     def argv(name, *extra):
@@ -169,9 +169,9 @@ def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
     assert not (tmp_path / "strict" / "iter_0000004").exists()
     other = ok(results, "other_model")
     assert list(other["losses"]) == ["1"], other
-    line = [x for x in other["stdout"].splitlines() if "local checkpoint tier: iteration 5" in x]
-    assert len(line) == 1 and "was saved by another model (checkpoint does not fit the model (" in line[0]
-    assert "hidden_size: checkpoint 32, model 64" in line[0] and "training from scratch" in line[0], line
+    line = [x for x in other["stdout"].splitlines() if "local checkpoint tier: local iteration 5 not used" in x]
+    assert len(line) == 1 and "COMPLETE: another job's (job " in line[0], other["stdout"]
+    assert "training from scratch" in line[0], line
 
 
 def test_piece_checksum_is_over_every_byte(tmp_path):
@@ -185,7 +185,7 @@ def test_piece_checksum_is_over_every_byte(tmp_path):
     data = local_piece.encode([("w", Region("", (0, 0), (2, 3), 1, 5))],
                               [{"param": np.arange(4, dtype=np.float32)}], {"iteration": 3})
     local_piece.write_piece(str(tmp_path), 3, 1, data)
-    meta, regions = local_piece.decode(local_piece.read_piece(str(tmp_path), 3, 1), "p")
+    meta, regions = local_piece.decode(local_piece.read_piece(str(tmp_path), 3, 1, len(data), zlib.crc32(data)), "p")
     assert meta["iteration"] == 3 and regions[0][1] == Region("", (0, 0), (2, 3), 1, 5)
     assert regions[0][2]["param"].tolist() == [0, 1, 2, 3]
     path = Path(local_piece.piece_path(str(tmp_path), 3, 1))
@@ -194,13 +194,13 @@ def test_piece_checksum_is_over_every_byte(tmp_path):
         raw[at] ^= 1
         path.write_bytes(bytes(raw))
         with pytest.raises(IntegrityError, match=f"{path}: CRC-32 {zlib.crc32(bytes(raw)):08x}"):
-            local_piece.read_piece(str(tmp_path), 3, 1)
+            local_piece.read_piece(str(tmp_path), 3, 1, len(data), zlib.crc32(data))
 
 
 def test_a_fifo_in_the_tier_is_a_bad_copy_not_a_hang(tmp_path):
-    """A FIFO in place of a piece, its sidecar or a COMPLETE marker: the piece is refused by name
-    (IntegrityError: the restart takes another copy), the marker's iteration not listed, and no
-    read blocks (a FIFO without a writer would hang open() or read())."""
+    """A FIFO in place of a piece, its sidecar or a COMPLETE marker: the piece or sidecar is
+    refused by name (the restart takes another copy), the marker's iteration not believed, and
+    no read blocks (a FIFO without a writer would hang open() or read())."""
     import os
 
     import numpy as np
@@ -210,22 +210,31 @@ def test_a_fifo_in_the_tier_is_a_bad_copy_not_a_hang(tmp_path):
     from megatron_ucp.format.layout import Region
 
     data = local_piece.encode([("w", Region("", (0,), (4,), 0, 4))], [{"param": np.zeros(4, np.float32)}], {})
-    local_piece.write_piece(str(tmp_path), 3, 1, data)
+    local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
     local_piece.mark_complete(str(tmp_path), 3, 2)
     path = Path(local_piece.piece_path(str(tmp_path), 3, 1))
-    for victim in (path, path.with_suffix(".json")):
+    from megatron_ucp.errors import FormatError
+
+    side = path.with_suffix(".json")
+    readers = {path: lambda: local_piece.read_header(str(path)),
+               side: lambda: local_piece.sidecar(str(tmp_path), 3, 1)}
+    for victim, read in readers.items():
         saved = victim.read_bytes()
         victim.unlink()
         os.mkfifo(victim)
-        with pytest.raises(IntegrityError, match=f"{path}: unreadable .*is a FIFO, expected a regular file"):
-            local_piece.read_piece(str(tmp_path), 3, 1)
+        with pytest.raises(FormatError, match=f"{victim} is a FIFO, expected a regular file"):
+            read()
+        if victim == path:
+            with pytest.raises(IntegrityError, match=f"{path}: unreadable .*is a FIFO, expected a regular file"):
+                local_piece.read_piece(str(tmp_path), 3, 1, len(data), zlib.crc32(data))
         victim.unlink()
         victim.write_bytes(saved)
-    assert local_piece.listed_size(str(tmp_path), 3, 1) == (len(data), None)
+    assert local_piece.sidecar(str(tmp_path), 3, 1)["bytes"] == len(data)
     marker = tmp_path / "iter_0000003" / local_piece.COMPLETE
     marker.unlink()
     os.mkfifo(marker)
     assert local_piece.complete_iterations(str(tmp_path)) == {}
+    assert "is a FIFO" in local_piece.markers(str(tmp_path))[3][1]
 
 
 def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
@@ -237,8 +246,8 @@ def test_free_space_check_refuses_with_numbers(tmp_path, monkeypatch):
     from megatron_ucp.engine import local_tier
     from megatron_ucp.errors import ConfigError
 
-    tier = types.SimpleNamespace(leader=True, node_dir=str(tmp_path / "n0"), host="n0",
-                                 hosts=["n0", "n0", "n1", "n1"], replicas=1)
+    tier = types.SimpleNamespace(leader=True, node_dir=str(tmp_path / "n0"), host="n0", root=str(tmp_path),
+                                 hosts=["n0", "n0", "n1", "n1"], replicas=1, job={"id": "a", "run": "b"})
     usage = collections.namedtuple("usage", "total used free")
     gib = 2**30
     monkeypatch.setattr(local_tier.shutil, "disk_usage", lambda path: usage(0, 0, 5 * gib))
@@ -283,3 +292,89 @@ def test_check_loss_sets_a_bad_local_iteration_aside(tmp_path):
             assert tier.restored is None  # checked once, after the first iteration only
     finally:
         dist.destroy_process_group()
+
+
+def _forge(local: Path, node: str, rank: int, data: bytes, **sidecar) -> None:
+    """`data` as `node`'s copy of `rank`'s piece of 6, with a sidecar that matches it (size and
+    CRC-32): what a hostile or mistaken copy looks like to the restore."""
+    path = _piece(local, node, rank)
+    path.write_bytes(data)
+    side = path.with_suffix(".json")
+    record = dict(json.loads(side.read_text()), bytes=len(data), crc32=zlib.crc32(data), **sidecar)
+    side.write_text(json.dumps(record))
+
+
+def _without_a_region(data: bytes) -> bytes:
+    from megatron_ucp.format import local_piece
+
+    meta, regions = local_piece.decode(data, "piece")
+    kept = regions[:-1]
+    return local_piece.encode([(n, r) for n, r, _ in kept], [s for _, _, s in kept], meta)
+
+
+def _complete_says_world_1(local: Path) -> None:
+    for node in ("node0", "node1"):
+        marker = local / node / "iter_0000006" / "COMPLETE"
+        marker.write_text(json.dumps(dict(json.loads(marker.read_text()), world=1)))
+
+
+def _sparse_with_lying_sidecar(local: Path) -> None:
+    path = _piece(local, "node0", 0)
+    with open(path, "r+b") as f:
+        f.truncate(3 * 2**30)
+    side = path.with_suffix(".json")
+    side.write_text(json.dumps(dict(json.loads(side.read_text()), bytes=3 * 2**30)))
+
+
+# damage to the killed job's tiers -> (restored from: 6 = the other node's sound copies, 5 = the
+# persistent checkpoint, 0 = a new job: from scratch), text the one line names
+HOSTILE = {
+    "swapped": (lambda local: _forge(local, "node0", 1, _piece(local, "node0", 0).read_bytes()), 6,
+                "node0/iter_0000006/rank_00001.safetensors: records rank 0, expected 1"),
+    "other_iteration": (lambda local: _forge(local, "node0", 1, _piece(local, "node0", 1, 4).read_bytes(),
+                                             iteration=6), 6,
+                        "node0/iter_0000006/rank_00001.safetensors: records iteration 4, expected 6"),
+    "sparse": (_sparse_with_lying_sidecar, 6, "node0/iter_0000006/rank_00000.safetensors: 3221225472 bytes, "
+               "its regions make"),
+    "world_1": (_complete_says_world_1, 5, "records world 4, expected 1"),
+    "dropped": (lambda local: [_forge(local, n, 1, _without_a_region(_piece(local, n, 1).read_bytes()))
+                               for n in ("node0", "node1")], 5, "its pieces do not cover the tensors"),
+}
+
+
+def test_hostile_copies_are_named_and_never_used(crashed, tmp_path):
+    """Issue 47: copies that name another slot (with matching CRCs), a sparse 3 GiB piece whose
+    sidecar says so, a COMPLETE marker that shrinks the world (with --no-load-rng), a region
+    dropped from both copies, and a new job on an old job's tier. Each restart (one group of 2
+    processes on node0 and node1, the job's tiers copied per case) names the bad copy in one line
+    and restores from the sound copy on the other node, or the persistent checkpoint, with the
+    uninterrupted run's losses: before, each took the copy and trained on half-zero or foreign
+    state ("restored iteration 6")."""
+    ref, job = crashed
+    steps = []
+    for name, (damage, _, _) in HOSTILE.items():
+        root = tmp_path / name
+        shutil.copytree(job / "ckpt", root / "ckpt")
+        shutil.copytree(job / "local", root / "local")
+        damage(root / "local")
+        steps.append({"name": name, "op": "train", "hosts": ["node0", "node1"], "fatal": False,
+                      "argv": _argv(root, local_interval=100, save=False) + ["--no-load-rng"]})
+    new = tmp_path / "new_job"  # its own --save, no checkpoint yet, the old job's tier
+    shutil.copytree(job / "local", new / "local")
+    steps.append({"name": "new_job", "op": "train", "hosts": ["node0", "node1"], "fatal": False,
+                  "argv": _with(_argv(new, iters=3, local_interval=100), "--save-interval", "100")})
+    results = run_steps(2, steps, tmp_path, allow_failure=True)
+    wrong = {}  # every case judged, so that a failure lists each case that failed
+    for name, (_, start, named) in HOSTILE.items():
+        r = results.get(name, {})
+        resumed = {int(k): v for k, v in r.get("losses", {}).items()}
+        lines = [x for x in r.get("stdout", "").splitlines() if "local checkpoint tier:" in x and "iteration 6" in x]
+        if "error" in r or not resumed or min(resumed) != start + 1 or max_loss_delta(ref, resumed) > 1e-4:
+            wrong[name] = (f"resumed {sorted(resumed)[:1]}, expected {start + 1}", r.get("error"), lines)
+        elif not (len(lines) == 1 and named in lines[0]):
+            wrong[name] = ("line", lines)
+    r = results.get("new_job", {})  # a fresh start on another layout: its own initialisation
+    lines = [x for x in r.get("stdout", "").splitlines() if "local checkpoint tier: local iteration 6 not used" in x]
+    if sorted(int(k) for k in r.get("losses", {})) != [1, 2, 3] or len(lines) != 1 or "another job's" not in lines[0]:
+        wrong["new_job"] = (sorted(r.get("losses", {})), r.get("error"), lines)
+    assert not wrong, wrong

@@ -194,7 +194,8 @@ def test_local_tier_restores_a_lost_nodes_job_on_another_layout(python, referenc
     """4 processes on 2 pretended nodes (TP2 x DP2, --elastic) save locally every 2 iterations
     with one replica on the other node (--replication-factor 2) and persistently every 10; they
     are SIGKILLed after iteration 7, node1's tier is deleted, and 2 processes on node0 (TP2 x DP1)
-    restore iteration 6 from node0's pieces and node1's replicas: 1 iteration lost, not 7."""
+    restore iteration 6 from node0's pieces and node1's replicas: 1 iteration lost, not 7. A new
+    job pointed at that tier then starts from scratch."""
     ckpt, local = tmp_path / "ckpt", tmp_path / "local"
     argv = TP2 + DIST + UNIVERSAL + ["--elastic", "--save", str(ckpt), "--save-interval", "10", "--load", str(ckpt),
                                      "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
@@ -213,6 +214,13 @@ def test_local_tier_restores_a_lost_nodes_job_on_another_layout(python, referenc
     assert max_delta(reference["losses"], r.losses(), range(7, N + 1)) <= TOL
     print(f"\nwork lost: {max(job.losses()) - 6} iteration(s) from the local tier, "
           f"{max(job.losses())} without the tier (no persistent checkpoint before iteration 10)")
+    # issue 47: a new job (its own --save) on this tier trains from scratch; the old job's
+    # iterations are named in one line and never used (before, it restored the newest of them)
+    fresh = [str(tmp_path / "new_ckpt") if a == str(ckpt) else a for a in argv]
+    n = run(python, tmp_path / "new_job", 2, fresh, 2, hosts=["node0", "node0"]).check()
+    assert sorted(n.losses()) == [1, 2]  # from scratch (a restore would resume after 6)
+    lines = [x for x in n.output.splitlines() if "local checkpoint tier: local iteration" in x]
+    assert len(lines) == 1 and "not used" in lines[0] and "another job's (job " in lines[0], n.output[-4000:]
 
 
 # -- context parallelism: CP ranks are replicas in sharded_state_dict (the third replica coordinate

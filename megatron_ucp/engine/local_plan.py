@@ -5,7 +5,7 @@ which copies, and which piece travels to which node.
 Nodes are host names (`socket.gethostname()`), the ranks of one node the ranks that share it.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
@@ -65,15 +65,19 @@ class Copy:
     rank: int
     nbytes: int
     bad: Optional[str] = None  # why the copy cannot be used (checksum, size, unreadable); None: sound
+    crc32: int = 0  # as its sidecar records it
 
 
 @dataclass(frozen=True)
 class Iteration:
-    """What one node holds of one local iteration (its COMPLETE marker says `world` ranks saved)."""
+    """What one node holds of one local iteration (its COMPLETE marker says `world` ranks saved).
+    `refused`: why it is never used (another job's, a marker not to be believed, pieces that do
+    not cover the tensors); None: this job's."""
 
     iteration: int
     world: int
     copies: Tuple[Copy, ...] = ()
+    refused: Optional[str] = None
 
 
 @dataclass
@@ -91,7 +95,8 @@ class Choice:
 def choose(inventories: Sequence[Sequence[Iteration]], newer_than: int) -> Choice:
     """The newest iteration newer than `newer_than` (the persistent tier's) of which every
     saving rank's piece has a sound copy on some node of `inventories` (one list per surviving
-    node). Iterations passed over, and bad copies, are named in `notes`."""
+    node). Iterations passed over (refused ones too: never used), and bad copies, are named in
+    `notes`. A marker's world is believed only up to the ranks whose pieces the nodes list."""
     by_iteration: Dict[int, List[Iteration]] = {}
     for node in inventories:
         for it in node:
@@ -102,12 +107,23 @@ def choose(inventories: Sequence[Sequence[Iteration]], newer_than: int) -> Choic
             notes.append(f"local iteration {iteration} is not newer than the persistent checkpoint's "
                          f"{newer_than}")
             break
-        found = by_iteration[iteration]
+        refused = sorted({it.refused for it in by_iteration[iteration] if it.refused is not None})
+        if refused:
+            more = f"; and on {len(refused) - 2} more node(s)" if len(refused) > 2 else ""
+            notes.append(f"local iteration {iteration} not used: " + "; ".join(refused[:2]) + more)
+        found = [it for it in by_iteration[iteration] if it.refused is None]
+        if not found:
+            continue
         worlds = {it.world for it in found}
         if len(worlds) != 1:
             notes.append(f"local iteration {iteration}: nodes disagree on its world size {sorted(worlds)}")
             continue
         world = worlds.pop()
+        listed = len({c.rank for it in found for c in it.copies if c.rank < world})
+        if listed < world:  # before anything is built per rank: a marker may lie about the world
+            notes.append(f"local iteration {iteration}: its COMPLETE marker says {world} ranks saved, the "
+                         f"nodes hold pieces of {listed}")
+            continue
         holders: Dict[int, List[str]] = {r: [] for r in range(world)}
         bad = []
         for it in found:
@@ -133,9 +149,21 @@ def mark_bad(inventories: Sequence[Sequence[Iteration]], bad: Sequence[Tuple[str
     """`inventories` with the copies `bad` names ((host, iteration, rank, why)) marked bad: what
     a read of them found, for the next `choose`."""
     why = {(h, it, r): w for h, it, r, w in bad}
-    return [[Iteration(it.iteration, it.world,
-                       tuple(Copy(c.host, c.rank, c.nbytes, why.get((c.host, it.iteration, c.rank), c.bad))
-                             for c in it.copies)) for it in node] for node in inventories]
+    return [[replace(it, copies=tuple(replace(c, bad=why.get((c.host, it.iteration, c.rank), c.bad))
+                                      for c in it.copies)) for it in node] for node in inventories]
+
+
+def refuse(inventories: Sequence[Sequence[Iteration]], iteration: int, why: str) -> list:
+    """`inventories` with `iteration` refused on every node (its pieces, all sound, do not make a
+    whole checkpoint), for the next `choose`."""
+    return [[replace(it, refused=why) if it.iteration == iteration else it for it in node]
+            for node in inventories]
+
+
+def held_copies(inventories: Sequence[Sequence[Iteration]], iteration: int, host: str) -> Dict[int, Copy]:
+    """Saving rank -> the copy `host` holds of `iteration` (as its inventory lists it)."""
+    return {c.rank: c for node in inventories for it in node if it.iteration == iteration and it.refused is None
+            for c in it.copies if c.host == host}
 
 
 def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]]:

@@ -1,11 +1,14 @@
 """A restart from the local tier, on any world size and layout.
 
-1. Each surviving node's leader takes the inventory of its dir: complete iterations and the
-   pieces (originals and replicas) their sidecars list.
+1. Each surviving node's leader takes the inventory of its dir: this job's complete iterations
+   and the pieces (originals and replicas) their sidecars list, each record checked against
+   its slot (another job's iterations are named and never used).
 2. All ranks agree (local_plan.choose) on the newest iteration newer than the persistent
    checkpoint of which every saving rank's piece has a copy on some surviving node; the
-   leaders read that iteration's pieces, each once, checked against its CRC-32, and a bad
-   copy makes them choose again without it (the next copy, the next iteration).
+   leaders check that iteration's pieces from their headers (slot, size, regions, and that
+   together they cover every tensor: local_check), then read them, each once, no further than
+   that size, checked against its CRC-32; a bad copy makes them choose again without it (the
+   next copy, the next iteration).
 3. Each node's leader receives the pieces its node lacks from a node that holds them, then
    writes them all into a universal checkpoint folder under its dir (the save's own file
    layout; no block checksums: the folder lives for this load only).
@@ -22,12 +25,12 @@ import time
 
 import torch.distributed as dist
 
-from megatron_ucp.engine import local_plan
-from megatron_ucp.engine.collective import all_true, run_everywhere
+from megatron_ucp.engine import local_check, local_plan
+from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.load import load_universal
 from megatron_ucp.engine.local_tier import CPU, exchange_bytes
 from megatron_ucp.engine.planner import part_shapes_of
-from megatron_ucp.errors import IntegrityError, LayoutError
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.format import folder, local_piece, tensor_io
 from megatron_ucp.format.layout import region_runs
 from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
@@ -36,47 +39,124 @@ from megatron_ucp.mcore import rng
 from megatron_ucp.mcore.model_map import unwrap
 
 
-def inventory(node_dir: str, host: str) -> list:
-    """What this node holds of the local tier (local_plan.Iteration), as the sidecars say; the
+def inventory(node_dir: str, host: str, job) -> list:
+    """What this node holds of the local tier (local_plan.Iteration), as its markers and
+    sidecars say, each checked against its slot (folder, file name, marker, `job`): another
+    job's iteration is refused, a sidecar that names another slot makes its copy bad. The
     pieces are checked when the chosen iteration's are read."""
     out = []
-    for iteration, world in sorted(local_piece.complete_iterations(node_dir).items()):
-        copies = tuple(local_plan.Copy(host, rank, *local_piece.listed_size(node_dir, iteration, rank))
-                       for rank in local_piece.held_ranks(node_dir, iteration))
-        out.append(local_plan.Iteration(iteration, world, copies))
+    for iteration, (record, why) in sorted(local_piece.markers(node_dir).items()):
+        marker = os.path.join(folder.iteration_dir(node_dir, iteration), local_piece.COMPLETE)
+        if record is None:
+            out.append(local_plan.Iteration(iteration, 0, refused=why))
+        elif record.get("job") != job:
+            out.append(local_plan.Iteration(iteration, record["world"], refused=(
+                f"{marker}: another job's ({local_check.whose(record.get('job'), job)})")))
+        else:
+            out.append(local_plan.Iteration(iteration, record["world"], tuple(
+                _copy(node_dir, host, iteration, record["world"], job, rank)
+                for rank in local_piece.held_ranks(node_dir, iteration))))
     return out
 
 
-def _read_held(tier, choice):
+def _copy(node_dir, host, iteration, world, job, rank) -> local_plan.Copy:
+    path = local_piece.sidecar_path(node_dir, iteration, rank)
+    try:
+        record = local_piece.sidecar(node_dir, iteration, rank)
+    except (FormatError, IncompleteCheckpointError) as e:
+        return local_plan.Copy(host, rank, 0, f"sidecar unreadable ({e})")
+    problem = local_check.slot_problem(record, rank, iteration, world, job)
+    if problem:
+        return local_plan.Copy(host, rank, 0, f"{path}: {problem}")
+    return local_plan.Copy(host, rank, record["bytes"], crc32=record["crc32"])
+
+
+def _seen(tier, choice, copies, job):
+    """Leaders: (local_check.Seen of each copy this node holds of the chosen iteration, and
+    {rank: (header digest, regions, rank 0's head)} of the sound ones), from its header alone:
+    the slot its metadata records; its regions, of which its size follows, equal to the file's
+    and the sidecar's. Other ranks: ([], {})."""
+    seen, details = [], {}
+    if not tier.leader:
+        return seen, details
+    for rank, copy in sorted(copies.items()):
+        if tier.host not in choice.holders.get(rank, ()):
+            continue
+        path = local_piece.piece_path(tier.node_dir, choice.iteration, rank)
+        digest = ""
+        try:
+            meta, table, header_len, size, digest = local_piece.read_header(path)
+            problem = local_check.slot_problem(meta, rank, choice.iteration, choice.world, job)
+            if not problem:
+                regions, expected = local_check.piece_layout(meta, table, header_len, path)
+                if not expected == size == copy.nbytes:
+                    problem = f"{size} bytes, its regions make {expected} and its sidecar says {copy.nbytes} (not read)"
+                details[rank] = (digest, tuple(regions), meta.get("head") if rank == 0 else None)
+        except (FormatError, IncompleteCheckpointError) as e:
+            problem = str(e).replace(f"{path}: ", "")
+        seen.append(local_check.Seen(tier.host, rank, path, copy.crc32, digest, problem))
+    return seen, details
+
+
+def _vet(tier, choice, copies):
+    """Collective: local_check.vet of the chosen iteration's copies, decided on rank 0 from
+    every copy's Seen and the regions of one copy of each distinct header, and the same on
+    every rank: ([(host, rank, why)], why the iteration is unusable or None), and the header
+    digests of this node's copies (what their reads must find)."""
+    seen, details = run_everywhere(_seen, tier, choice, copies, tier.job, group=tier.group)
+    seen = _gathered(seen, tier.group)
+    carry = local_check.carriers(seen)
+    sent = {(rank, d[0]): d[1:] for rank, d in details.items() if (tier.host, rank) in carry}
+    carried = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sent, carried, dst=0, group=tier.group)
+    verdict = on_rank_zero(lambda: local_check.vet(seen, {k: v for part in carried for k, v in part.items()}),
+                           group=tier.group)
+    return verdict, {rank: d[0] for rank, d in details.items()}
+
+
+def _read_held(tier, choice, copies, digests):
     """Leaders: ({saving rank: bytes} of the sound copies of the chosen iteration on this node,
-    [(host, iteration, rank, why)] of the bad ones), each piece read once and checked against
-    its CRC-32; other ranks: ({}, [])."""
+    [(host, iteration, rank, why)] of the bad ones), each piece read once, no further than its
+    checked size, and checked against its CRC-32; other ranks: ({}, [])."""
     held, bad = {}, []
     if not tier.leader:
         return held, bad
     for rank, holding in choice.holders.items():
         if tier.host in holding:
             try:
-                held[rank] = local_piece.read_piece(tier.node_dir, choice.iteration, rank)
+                held[rank] = local_piece.read_piece(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
+                                                    copies[rank].crc32, digests.get(rank))
             except IntegrityError as e:
                 bad.append((tier.host, choice.iteration, rank, str(e)))
     return held, bad
 
 
+def _gathered(value, group) -> list:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value, group=group)
+    return [x for rank_value in everyone for x in rank_value]
+
+
 def _choose(tier, found: list, newer_than: int):
-    """(choice, pieces this node holds of it): choose, read the chosen iteration's copies, and
-    choose again with the copies found bad until every piece read is sound."""
+    """(choice, pieces this node holds of it): choose; check the chosen iteration's copies
+    from their headers (slot, size, regions, the coverage of every tensor: local_check.vet),
+    then read them; choose again without what was found bad until every piece read is sound."""
     while True:
         choice = local_plan.choose(found, newer_than)
         if choice.iteration is None:
             return choice, {}
-        held, bad = run_everywhere(_read_held, tier, choice, group=tier.group)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, bad, group=tier.group)
-        bad = [b for rank_bad in everyone for b in rank_bad]
+        copies = local_plan.held_copies(found, choice.iteration, tier.host)
+        (bad, problem), digests = _vet(tier, choice, copies)
+        if problem is not None:
+            found = local_plan.refuse(found, choice.iteration, problem)
+            continue
         if not bad:
-            return choice, held
-        found = local_plan.mark_bad(found, bad)
+            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, group=tier.group)
+            bad = _gathered(bad, tier.group)
+            if not bad:
+                return choice, held
+            bad = [(h, r, w) for h, _, r, w in bad]
+        found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
 
 
 def _gather_pieces(tier, choice, held: dict) -> dict:
@@ -134,7 +214,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     LoadResult, or None (after one line saying why) when the persistent tier must serve."""
     start = time.perf_counter()
     rank = dist.get_rank()
-    mine = run_everywhere(lambda: inventory(tier.node_dir, tier.host) if tier.leader else None,
+    mine = run_everywhere(lambda: inventory(tier.node_dir, tier.host, tier.job) if tier.leader else None,
                           group=tier.group)
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, mine, group=tier.group)

@@ -9,6 +9,8 @@ each node keeps whole pieces that any node can read back or send, and a restart 
 them into a universal folder that loads on any layout (docs/elastic.md, "The local tier").
 """
 
+import hashlib
+import json
 import os
 import shutil
 import socket
@@ -18,17 +20,38 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron_ucp.engine import local_plan
-from megatron_ucp.engine.collective import all_true, run_everywhere
+from megatron_ucp.engine import local_plan, ownership
+from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot
 from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.tensor_entry import STATES
 from megatron_ucp.mcore import rng
 from megatron_ucp.mcore.model_map import local_tensors
+from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS
 
 KEPT = 2  # complete local iterations kept per node
 CPU = torch.device("cpu")
+# The arguments that define a run beside its model (none that a restart on another layout, or
+# with more iterations, changes): a tier's iterations are the run's only while they agree.
+RUN_ARGS = CHECKPOINT_ARGS + ("seed", "lr", "min_lr", "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1",
+                              "adam_beta2", "global_batch_size", "data_path", "tokenizer_type", "fp16", "bf16")
+
+
+def job_identity(args) -> dict:
+    """The job a tier's records name: {"id": the id kept in the --save folder (made at the
+    job's first start; read from --load on a restart without --save; None without either),
+    "run": a digest of RUN_ARGS}. It survives the job's restarts (torchrun's new run ids,
+    other nodes, other layouts); another job, or the same folder with other run arguments,
+    gets another."""
+    run = json.dumps({k: getattr(args, k, None) for k in RUN_ARGS}, sort_keys=True, default=str)
+    if getattr(args, "save", None):
+        job = local_piece.job_id(args.save, create=True)
+    elif getattr(args, "load", None):
+        job = local_piece.job_id(args.load, create=False)
+    else:
+        job = None
+    return {"id": job, "run": hashlib.sha256(run.encode()).hexdigest()[:16]}
 
 
 def tolerating_save_failure(args, fn) -> None:
@@ -77,8 +100,8 @@ class LocalTier:
     """One job's local tier: its node dir, the hosts of its ranks, its own gloo group (saves
     run in a background thread beside training's collectives) and the save in flight."""
 
-    def __init__(self, root: str, replicas: int, hosts, group):
-        self.root, self.replicas, self.hosts, self.group = root, replicas, list(hosts), group
+    def __init__(self, root: str, replicas: int, hosts, group, job=None):
+        self.root, self.replicas, self.hosts, self.group, self.job = root, replicas, list(hosts), group, job
         self.host = socket.gethostname()
         self.node_dir = os.path.join(root, self.host)
         self.targets = local_plan.replica_targets(self.hosts, replicas)
@@ -97,7 +120,7 @@ class LocalTier:
         plan, sources, entries, _, _ = _plan(tensors, states, optimizer is not None, merge=False)
         snapshot = _snapshot(plan.items, sources, states, copy=True)
         rank = dist.get_rank()
-        meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(),
+        meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(), "job": self.job,
                 "rng": None if args.no_save_rng else rng.capture()}
         if rank == 0:
             meta["head"] = _manifest_head(iteration, entries, state.model, optimizer,
@@ -112,20 +135,27 @@ class LocalTier:
         """Background: the piece to this node's dir, replicas to and from other nodes, then the
         node's COMPLETE marker once every rank wrote everything. Returns whether it did."""
         rank, world = dist.get_rank(), dist.get_world_size()
+        refused = _attempt(local_piece.prepare, self.node_dir, iteration, self.job) if self.leader else None
+        if refused:
+            print(f" warning: local checkpoint of iteration {iteration} on {self.host}: {refused}",
+                  file=sys.stderr, flush=True)
+        if not all_true(refused is None, group=self.group, device=CPU):
+            return False  # no rank wrote anything: another job's folder stays as it was
         data = local_piece.encode(items, arrays, meta)
-        error = _attempt(local_piece.write_piece, self.node_dir, iteration, rank, data)
+        slot = {"world": world, "job": self.job}
+        error = _attempt(local_piece.write_piece, self.node_dir, iteration, rank, data, slot)
         sources = local_plan.replica_sources(self.targets, rank)
         received = exchange_bytes([(t, data) for t in self.targets[rank]], sources, self.group)
         for i, source in enumerate(sources):
-            failed = _attempt(local_piece.write_piece, self.node_dir, iteration, source, received[i])
+            failed = _attempt(local_piece.write_piece, self.node_dir, iteration, source, received[i], slot)
             error = error or failed
         if error:
             print(f" warning: local checkpoint of iteration {iteration} on {self.host}: {error}",
                   file=sys.stderr, flush=True)
         complete = all_true(error is None, group=self.group, device=CPU)
         if complete and self.leader:
-            local_piece.mark_complete(self.node_dir, iteration, world)
-            local_piece.prune(self.node_dir, KEPT)
+            local_piece.mark_complete(self.node_dir, iteration, world, self.job)
+            local_piece.prune(self.node_dir, KEPT, self.job)
         dist.barrier(group=self.group)  # the markers are down before the save counts as done
         return complete
 
@@ -135,15 +165,21 @@ class LocalTier:
             pending, self.pending = self.pending, None
             pending.wait()
 
+    def close(self) -> None:
+        """At a clean end: the save in flight, finished; the node dirs given up (ownership)."""
+        self.wait()
+        dist.barrier(group=self.group)
+        if self.leader:
+            ownership.release(self.node_dir)
+
 
 def _attempt(fn, *args):
-    """None when fn(*args) worked, else what went wrong (a full or failed local disk is a
-    warning: the persistent tier still holds the job's checkpoints)."""
+    """None when fn(*args) worked, else what went wrong: fn's own answer, or an OSError (a full
+    or failed local disk is a warning: the persistent tier still holds the job's checkpoints)."""
     try:
-        fn(*args)
+        return fn(*args)
     except OSError as e:
         return f"{type(e).__name__}: {e}"
-    return None
 
 
 class _Background:
@@ -166,13 +202,16 @@ class _Background:
 
 
 def open_tier(args, state) -> LocalTier:
-    """Collective: the tier of `--local-ckpt-dir`, after a check that every node's dir has
-    room for it (its ranks' pieces and the replicas it keeps, for KEPT + 1 iterations: the kept
-    ones and the one being written), refused with the numbers otherwise."""
+    """Collective: the tier of `--local-ckpt-dir`, for this job (job_identity), after each
+    node's leader took its node dir (refused, like a --save folder, while another live job
+    holds it: ownership.py) and checked that it has room for the tier (its ranks' pieces and
+    the replicas it keeps, for KEPT + 1 iterations: the kept ones and the one being written),
+    refused with the numbers otherwise."""
     group = dist.new_group(backend="gloo")
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
-    tier = LocalTier(args.local_ckpt_dir, args.local_ckpt_replicas, hosts, group)
+    job = on_rank_zero(job_identity, args)
+    tier = LocalTier(args.local_ckpt_dir, args.local_ckpt_replicas, hosts, group, job)
     optimizer = None if args.no_save_optim else state.optimizer
     states = STATES if optimizer is not None else ("param",)
     plan = _plan(local_tensors(state.model, optimizer, args.vocab_size), states, optimizer is not None,
@@ -194,11 +233,20 @@ def open_tier(args, state) -> LocalTier:
 def _check_space(tier: LocalTier, sizes) -> None:
     if not tier.leader:
         return
-    os.makedirs(tier.node_dir, exist_ok=True)
+    try:
+        os.makedirs(tier.node_dir, exist_ok=True)
+        ownership.claim(tier.node_dir, what="--local-ckpt-dir")
+        _check_room(tier, sizes)
+    except OSError as e:  # a regular file, /dev/null, a read-only dir: one line, at start
+        raise ConfigError(f"--local-ckpt-dir {tier.root}: cannot use {tier.node_dir} ({e.strerror or e}); "
+                          "expected a writable folder (node-local: /dev/shm or a local disk)") from None
+
+
+def _check_room(tier: LocalTier, sizes) -> None:
     ranks = local_plan.nodes_of(tier.hosts)[tier.host]
     originals, replicas = local_plan.node_share(tier.hosts, sizes, tier.replicas, tier.host)
     need = (KEPT + 1) * (originals + replicas)
-    held = _tree_bytes(tier.node_dir)  # the tier's own files: reused, pruned as it goes
+    held = sum(_tree_bytes(p) for p in local_piece.own_folders(tier.node_dir, tier.job))  # reused, pruned
     free = shutil.disk_usage(tier.node_dir).free
     if need > free + held:
         raise ConfigError(

@@ -117,10 +117,12 @@ def _read(path: str):
         return "unreadable", age
 
 
-def claim(save_dir: str, stale_after: float = 3600.0, announce=print, launcher: bool = False) -> None:
+def claim(save_dir: str, stale_after: float = 3600.0, announce=print, launcher: bool = False,
+          what: str = "--save") -> None:
     """Make this job the folder's owner (taking a stale record over, with a message through
     `announce`), or raise SaveError naming the owner and the record to delete once it stopped.
-    `launcher`: a converter whose worker processes (its descendants) save under this claim."""
+    `launcher`: a converter whose worker processes (its descendants) save under this claim;
+    `what`: the flag that named the folder (the local tier's node dirs are claimed too)."""
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, OWNER)
     mine = dict(me(), launcher=True) if launcher else me()
@@ -132,14 +134,14 @@ def claim(save_dir: str, stale_after: float = 3600.0, announce=print, launcher: 
             raise SaveError(
                 f"{save_dir} is being written by a live process of a job with the same id ({owner['job']}, "
                 f"pid {owner['pid']} on {owner['host']}; lock {path}): two launches with one --rdzv-id "
-                f"(or two torchrun steps of one SLURM allocation) are two jobs; use another --save folder, "
+                f"(or two torchrun steps of one SLURM allocation) are two jobs; use another {what} folder, "
                 f"or stop that process; if it has stopped, delete {path}")
         if owner is not None and (not isinstance(owner, dict) or owner.get("job") != mine["job"]):
             reason = stale_reason(owner, age, mine["host"], stale_after)
             if reason is None:
                 raise SaveError(
                     f"{save_dir} is being written by another job ({owner.get('job')}, pid {owner.get('pid')} "
-                    f"on {owner.get('host')}; lock {path}): use another --save folder, or stop that job; "
+                    f"on {owner.get('host')}; lock {path}): use another {what} folder, or stop that job; "
                     f"if it has stopped, delete {path}")
             who = owner.get("job") if isinstance(owner, dict) else "?"
             announce(f" taking over {save_dir} from job {who}: {reason} ({path})", flush=True)

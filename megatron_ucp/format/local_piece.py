@@ -1,8 +1,12 @@
 """The local tier's files: one rank's piece of a universal checkpoint on a node's local dir.
 
+    DIR/<host>/iter_0000006/.ucp_local               # the tier wrote this folder, for this job
     DIR/<host>/iter_0000006/rank_00002.safetensors   # the regions rank 2 owns, every state
-    DIR/<host>/iter_0000006/rank_00002.json          # its size and CRC-32, written after it
+    DIR/<host>/iter_0000006/rank_00002.json          # its slot (rank, iteration, world, job), size, CRC-32
     DIR/<host>/iter_0000006/COMPLETE                 # every rank's piece and replicas written
+
+Every record names the job (engine/local_tier.job_identity): a restore takes only its own job's
+pieces, and the tier removes only folders it marked as its own job's.
 
 A piece is a valid safetensors file (fp32 tensors "<item>.<state>", no pickle) whose metadata
 holds its regions (atomic tensor, part, box, flat range), the saving rank's RNG state and, on
@@ -11,10 +15,12 @@ layout assemble into a universal checkpoint folder that reshards on load. A node
 ranks' pieces (originals) and other nodes' replicas under the same names.
 """
 
+import hashlib
 import json
 import os
 import shutil
 import struct
+import uuid
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -25,12 +31,39 @@ from megatron_ucp.errors import FormatError, IncompleteCheckpointError, Integrit
 from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
 from megatron_ucp.format.folder import iteration_dir, iteration_of
 from megatron_ucp.format.layout import Region
-from megatron_ucp.format.safe_files import read_bounded, read_json
+from megatron_ucp.format.safe_files import open_regular, read_bounded, read_json
 
 COMPLETE = "COMPLETE"
 RESTORE = "restore"  # a node's assembled universal checkpoint, while a restart loads it
 MAX_HEADER_BYTES = 256 * 2**20
 MAX_SIDECAR_BYTES = 4096  # a sidecar or COMPLETE marker: a few integers as JSON
+MAX_WORLD = 1 << 17  # a COMPLETE marker's world beyond this is not believed
+MARK = ".ucp_local"  # in each iteration folder the tier made: the job that made it
+JOB_FILE = ".ucp_local_job.json"  # in the --save folder: the job's id, made at its first start
+
+
+def job_id(folder: str, create: bool) -> Optional[str]:
+    """The job id kept in `folder` (a --save or --load folder), made there when `create` and
+    absent (the job's first start: exclusively, so that of two starts at once one id wins);
+    None when absent otherwise. FormatError naming the record when it is not one."""
+    path = os.path.join(folder, JOB_FILE)
+    if create and not os.path.lexists(path):
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        atomic_write_json(tmp, {"id": uuid.uuid4().hex})
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another start made it first: its id holds
+        finally:
+            os.unlink(tmp)
+    if not os.path.lexists(path):
+        return None
+    record = read_json(path, "local-tier job record", MAX_SIDECAR_BYTES)
+    job = record.get("id") if isinstance(record, dict) else None
+    if not (isinstance(job, str) and 0 < len(job) <= 64 and job.isalnum()):
+        raise FormatError(f"{path}: job id {job!r}, expected up to 64 letters or digits")
+    return job
 
 
 def piece_path(node_dir: str, iteration: int, rank: int) -> str:
@@ -68,64 +101,127 @@ def decode(data: bytes, path: str):
     return meta, out
 
 
-def write_piece(node_dir: str, iteration: int, rank: int, data: bytes) -> None:
-    """The piece, then its sidecar (size, CRC-32): a piece without a sidecar does not count."""
+def sidecar_path(node_dir: str, iteration: int, rank: int) -> str:
+    return piece_path(node_dir, iteration, rank)[: -len(".safetensors")] + ".json"
+
+
+def write_piece(node_dir: str, iteration: int, rank: int, data: bytes, slot: dict = None) -> None:
+    """The piece, then its sidecar (its slot: `slot`'s world and job, the rank and iteration;
+    size, CRC-32): a piece without a sidecar does not count."""
     path = piece_path(node_dir, iteration, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_write_bytes(path, data)
-    atomic_write_json(path[: -len(".safetensors")] + ".json",
-                      {"rank": rank, "iteration": iteration, "bytes": len(data), "crc32": zlib.crc32(data)})
+    atomic_write_json(sidecar_path(node_dir, iteration, rank),
+                      dict(slot or {}, rank=rank, iteration=iteration, bytes=len(data), crc32=zlib.crc32(data)))
 
 
-def _sidecar(path: str) -> dict:
-    """A piece's sidecar record (regular file, bounded, strict JSON): {"bytes": int, "crc32": int}."""
-    record = read_json(path[: -len(".safetensors")] + ".json", "local-tier sidecar", MAX_SIDECAR_BYTES)
-    for key in ("bytes", "crc32"):
-        if not isinstance(record.get(key), int) or isinstance(record.get(key), bool) or record[key] < 0:
-            raise FormatError(f"{path}: its sidecar's {key!r} is {record.get(key)!r}, expected an integer >= 0")
+def _count(record: dict, key: str, path: str, low: int = 0, high: Optional[int] = None) -> int:
+    value = record.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f"an integer >= {low}" + ("" if high is None else f" and <= {high}")
+        raise FormatError(f"{path}: {key!r} is {value!r}, expected {bound}")
+    return value
+
+
+def sidecar(node_dir: str, iteration: int, rank: int) -> dict:
+    """A piece's sidecar record (regular file, bounded, strict JSON), its integers checked:
+    {"rank", "iteration", "world", "job", "bytes", "crc32"}; FormatError naming the sidecar."""
+    path = sidecar_path(node_dir, iteration, rank)
+    record = read_json(path, "local-tier sidecar", MAX_SIDECAR_BYTES)
+    if not isinstance(record, dict):
+        raise FormatError(f"{path}: expected a JSON object")
+    for key in ("bytes", "crc32", "rank", "iteration"):
+        _count(record, key, path)
+    _count(record, "world", path, 1, MAX_WORLD)
     return record
 
 
-def read_piece(node_dir: str, iteration: int, rank: int) -> bytes:
-    """A piece's bytes, checked against its sidecar: IntegrityError naming the file otherwise.
-    Only regular files are read (a FIFO would hang the restart), the piece no further than the
-    size its sidecar records."""
+def header_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def read_header(path: str) -> Tuple[dict, dict, int, int, str]:
+    """(meta, tensor table, header length, file size, header_digest) of a piece, reading its
+    header only (a piece's size is judged from its regions before its data is read):
+    FormatError naming it."""
+    fd = open_regular(path, "local-tier piece")
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise FormatError(f"{path}: header length {n} does not fit the file of {size} bytes "
+                              f"(at most {MAX_HEADER_BYTES})")
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        table = json.loads(raw)
+        meta = json.loads(table.pop("__metadata__")["ucp_local"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{path}: not a local-tier piece ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(table, dict):
+        raise FormatError(f"{path}: not a local-tier piece (its header is not a JSON object)")
+    return meta, table, n, size, header_digest(raw)
+
+
+def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int, digest: str = None) -> bytes:
+    """A piece's bytes, `nbytes` of them (its size as the plan bounds it) with CRC-32 `crc32`
+    and, given `digest`, the header that was checked: IntegrityError naming the file otherwise.
+    Only regular files are read (a FIFO would hang the restart), never past `nbytes`."""
     path = piece_path(node_dir, iteration, rank)
     try:
-        record = _sidecar(path)
-        data = read_bounded(path, "local-tier piece", record["bytes"])
+        data = read_bounded(path, "local-tier piece", nbytes)
     except (FormatError, IncompleteCheckpointError) as e:
         raise IntegrityError(f"{path}: unreadable ({e})") from None
-    if len(data) != record["bytes"]:
-        raise IntegrityError(f"{path}: {len(data)} bytes, its sidecar says {record['bytes']}")
-    if zlib.crc32(data) != record.get("crc32"):
-        raise IntegrityError(f"{path}: CRC-32 {zlib.crc32(data):08x} differs from the saved "
-                             f"{record.get('crc32', 0):08x}")
+    if len(data) != nbytes:
+        raise IntegrityError(f"{path}: {len(data)} bytes, its sidecar says {nbytes}")
+    if zlib.crc32(data) != crc32:
+        raise IntegrityError(f"{path}: CRC-32 {zlib.crc32(data):08x} differs from the saved {crc32:08x}")
+    if digest is not None:
+        n = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else 0
+        if header_digest(data[8:8 + n]) != digest:
+            raise IntegrityError(f"{path}: its header changed after it was checked")
     return data
 
 
-def mark_complete(node_dir: str, iteration: int, world: int) -> None:
-    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), {"world": world})
+def mark_complete(node_dir: str, iteration: int, world: int, job=None) -> None:
+    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), {"world": world, "job": job})
     fsync_dir(node_dir)
 
 
-def complete_iterations(node_dir: str) -> Dict[int, int]:
-    """Iteration -> saving world size, of the iterations this node marked complete."""
+def markers(node_dir: str) -> Dict[int, Tuple[Optional[dict], Optional[str]]]:
+    """Iteration -> (its COMPLETE marker {"world", "job"}, None), or (None, why it cannot be
+    believed: a symlinked folder, a world beyond MAX_WORLD, an unreadable marker), of the
+    iteration folders of this node that hold one."""
     out = {}
     if not os.path.isdir(node_dir):
         return out
     for name in os.listdir(node_dir):
         it = iteration_of(name)
         marker = os.path.join(node_dir, name, COMPLETE)
-        if it is None or not os.path.isfile(marker):
+        if it is None or not os.path.lexists(marker):
+            continue
+        if os.path.islink(os.path.join(node_dir, name)):
+            out[it] = None, f"{os.path.join(node_dir, name)} is a symbolic link (the tier writes folders)"
             continue
         try:
-            world = read_json(marker, "local-tier COMPLETE marker", MAX_SIDECAR_BYTES)["world"]
-        except (FormatError, IncompleteCheckpointError, KeyError):
+            record = read_json(marker, "local-tier COMPLETE marker", MAX_SIDECAR_BYTES)
+            if not isinstance(record, dict):
+                raise FormatError(f"{marker}: expected a JSON object")
+            _count(record, "world", marker, 1, MAX_WORLD)
+        except (FormatError, IncompleteCheckpointError) as e:
+            out[it] = None, str(e)
             continue
-        if isinstance(world, int) and world > 0:
-            out[it] = world
+        out[it] = record, None
     return out
+
+
+def complete_iterations(node_dir: str) -> Dict[int, int]:
+    """Iteration -> saving world size, of the iterations this node marked complete (soundly)."""
+    return {it: record["world"] for it, (record, _) in markers(node_dir).items() if record is not None}
 
 
 def held_ranks(node_dir: str, iteration: int) -> List[int]:
@@ -141,23 +237,50 @@ def held_ranks(node_dir: str, iteration: int) -> List[int]:
     return sorted(out)
 
 
-def listed_size(node_dir: str, iteration: int, rank: int) -> Tuple[int, Optional[str]]:
-    """(bytes, None) as a piece's sidecar records them, or (0, why) when the sidecar is bad;
-    the piece itself is checked when it is read (read_piece)."""
-    path = piece_path(node_dir, iteration, rank)
+def _own(node_dir: str, iteration: int, job) -> bool:
+    """The folder of `iteration` is a real folder that the tier marked as job `job`'s."""
+    path = iteration_dir(node_dir, iteration)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
     try:
-        return _sidecar(path)["bytes"], None
-    except (FormatError, IncompleteCheckpointError) as e:
-        return 0, f"{path}: sidecar unreadable ({e})"
+        return read_json(os.path.join(path, MARK), "local-tier folder mark", MAX_SIDECAR_BYTES) == {"job": job}
+    except (FormatError, IncompleteCheckpointError):
+        return False
 
 
-def prune(node_dir: str, keep: int = 2) -> None:
-    """Keep the newest `keep` complete iterations; remove older ones and dead partial saves."""
-    complete = sorted(complete_iterations(node_dir))
+def own_folders(node_dir: str, job) -> List[str]:
+    """The iteration folders of `node_dir` that the tier marked as job `job`'s."""
+    if not os.path.isdir(node_dir):
+        return []
+    return [os.path.join(node_dir, name) for name in sorted(os.listdir(node_dir))
+            if iteration_of(name) is not None and _own(node_dir, iteration_of(name), job)]
+
+
+def prepare(node_dir: str, iteration: int, job) -> Optional[str]:
+    """Before a save of `iteration` (the node's leader): a folder of it this job left (an older
+    attempt) is removed, then the folder is made and marked as the job's. A folder the tier did
+    not write for this job is left alone: returns why (the save of this iteration is skipped)."""
+    path = iteration_dir(node_dir, iteration)
+    if os.path.lexists(path):
+        if not _own(node_dir, iteration, job):
+            return (f"{path} exists and is not this job's (another job's local iteration, or a folder the "
+                    "tier did not write): left alone, this iteration is not saved locally; remove it")
+        shutil.rmtree(path)
+    os.makedirs(path)
+    atomic_write_json(os.path.join(path, MARK), {"job": job})
+    return None
+
+
+def prune(node_dir: str, keep: int, job) -> None:
+    """Keep job `job`'s newest `keep` complete iterations; remove its older ones and its dead
+    partial saves. Only folders the tier marked as this job's are removed: never a persistent
+    checkpoint, nor another job's."""
+    complete = sorted(it for it, (record, _) in markers(node_dir).items()
+                      if record is not None and record.get("job") == job and _own(node_dir, it, job))
     if not complete:
         return
     kept = set(complete[-keep:])
     for name in os.listdir(node_dir):
         it = iteration_of(name)
-        if it is not None and it not in kept and it < max(kept):
+        if it is not None and it not in kept and it < max(kept) and _own(node_dir, it, job):
             shutil.rmtree(os.path.join(node_dir, name), ignore_errors=True)

@@ -219,6 +219,21 @@ def validate_local_tier(args) -> None:
     _need(args.local_ckpt_replicas >= 0, f"--local-ckpt-replicas must be >= 0, got {args.local_ckpt_replicas}")
     _need(args.ckpt_format == "universal",
           "--local-ckpt-dir needs --ckpt-format universal (its pieces are universal, so that they reshard)")
+    check_tier_apart(getattr(args, "save", None), local)
+
+
+def check_tier_apart(save, local, flag: str = "--local-ckpt-dir") -> None:
+    """The local tier's dir and --save hold nothing of each other: the tier prunes its own
+    folders (and its node dirs are named by host), a checkpoint folder is --save's."""
+    import os
+
+    if not save or not local:
+        return
+    a, b = os.path.realpath(save), os.path.realpath(local)
+    if os.path.commonpath([a, b]) in (a, b):
+        where = "is" if a == b else ("is inside" if os.path.commonpath([a, b]) == b else "holds")
+        raise ConfigError(f"--save {save} {where} {flag} {local}: the local tier and the persistent "
+                          "checkpoints need folders apart (the tier's is node-local: /dev/shm or a local disk)")
 
 
 def validate_attention(args) -> None:

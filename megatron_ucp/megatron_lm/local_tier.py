@@ -16,6 +16,7 @@ than --load's checkpoint, else the persistent one loads.
 import types
 
 from megatron_ucp.errors import ConfigError
+from megatron_ucp.mcore.flag_validation import check_tier_apart
 
 _TIER = {}
 
@@ -31,6 +32,8 @@ def adopt(args) -> None:
                           "node-local folder: /dev/shm or a local disk)")
     if not args.non_persistent_save_interval:
         raise ConfigError("--non-persistent-ckpt-type local needs --non-persistent-save-interval N")
+    check_tier_apart(getattr(args, "save", None), args.non_persistent_local_ckpt_dir,
+                     "--non-persistent-local-ckpt-dir")
     args.local_ckpt_dir = args.non_persistent_local_ckpt_dir
     args.local_save_interval = args.non_persistent_save_interval
     args.local_ckpt_replicas = args.replication_factor - 1 if getattr(args, "replication", False) else 0

@@ -380,7 +380,7 @@ def train(args, state) -> list:
         _timed_save(args, state, iteration, consumed, monitor, sync=stop is not None)
     checkpointing.finish_pending_save(state, args)
     if tier is not None:
-        tier.wait()
+        tier.close()
     if args.save:
         checkpointing.release_save_folder(args)
     monitor.close()
