@@ -164,28 +164,32 @@ def _on_this_cp_rank(batch: dict) -> dict:
 
 # -- state digests --
 
-def flat_range_boxes(shape, start: int, stop: int, prefix=()) -> List[Tuple[tuple, tuple]]:
+def flat_range_boxes(shape, start: int, stop: int) -> List[Tuple[tuple, tuple]]:
     """Row-major elements [start, stop) of a box of `shape` as at most 2 x ndim - 1 sub-boxes
-    (offset in the box, shape), in order: each is a contiguous run of the range's data."""
+    (offset in the box, shape; both of the box's rank), in order: each is a contiguous run of
+    the range's data."""
     shape = tuple(shape)
     if start >= stop:
         return []
     if len(shape) == 1:
-        return [(prefix + (start,), (stop - start,))]
+        return [((start,), (stop - start,))]
     row = math.prod(shape[1:])
     r0, c0 = divmod(start, row)
     r1, c1 = divmod(stop, row)
-    zeros = (0,) * (len(shape) - 1)
+
+    def in_row(r, lo, hi):
+        return [((r,) + o, (1,) + s) for o, s in flat_range_boxes(shape[1:], lo, hi)]
+
     if r0 == r1:
-        return flat_range_boxes(shape[1:], c0, c1, prefix + (r0,))
+        return in_row(r0, c0, c1)
     out = []
     if c0:
-        out += flat_range_boxes(shape[1:], c0, row, prefix + (r0,))
+        out += in_row(r0, c0, row)
         r0 += 1
     if r1 > r0:
-        out.append((prefix + (r0,) + zeros, (r1 - r0,) + shape[1:]))
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + shape[1:]))
     if c1:
-        out += flat_range_boxes(shape[1:], 0, c1, prefix + (r1,))
+        out += in_row(r1, 0, c1)
     return out
 
 
