@@ -92,7 +92,7 @@ def test_digests_of_any_split_sum_to_the_whole(data):
 
 def _record(losses=(2.0, 3.0), digests=None, dtype="float32", padded=256, state_dtypes=None):
     return {"version": 1, "probe": {"seed": proof.PROBE_SEED, "tokens": len(losses), "vocab_size": 250},
-            "dtype": dtype, "device": "cpu", "padded_vocab_size": padded, "losses": list(losses),
+            "dtype": dtype, "device": "cpu/local", "padded_vocab_size": padded, "losses": list(losses),
             "state_dtypes": state_dtypes or {"param": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"},
             "digests": digests if digests is not None else {"w|param": [1.5, 4.0], "w|exp_avg": [0.25, 1.0],
                                                             "emb|padding|param": [0.5, 2.0]}}
@@ -112,8 +112,10 @@ def test_compare_passes_layout_noise_and_names_what_differs():
 
 def test_bf16_noise_passes_within_the_wider_tolerance_and_a_fault_does_not():
     saved = _record(dtype="bfloat16")
-    assert proof.compare(saved, _record(losses=(2.02, 3.0))) is None
-    assert proof.compare(saved, _record(losses=(2.1, 3.0))) is not None
+    assert proof.compare(saved, _record(losses=(2.01, 3.0))) is None
+    assert proof.compare(saved, _record(losses=(2.05, 3.0))) is not None
+    gpu = dict(_record(dtype="bfloat16"), device="cuda/te")  # saved on GPUs with TE, loaded on CPU
+    assert proof.compare(gpu, _record(losses=(2.05, 3.0))) is None
     # moments kept in bf16 on one side: equal within bf16 rounding of the sum of |terms|
     bf16 = {"param": "float32", "exp_avg": "bfloat16", "exp_avg_sq": "float32"}
     assert proof.compare(saved, _record(digests={"w|exp_avg": [0.25 + 2e-3, 1.0]}, state_dtypes=bf16)) is None
@@ -249,7 +251,8 @@ def test_a_sound_checkpoint_passes_on_other_layouts_with_margin(resumed, saved):
 
 def test_bf16_passes_within_its_tolerance_with_margin(resumed):
     delta = _proved(ok(resumed, "bf16_dp2_dist"))
-    assert delta * 3 <= proof.TOLERANCE["reduced"], delta
+    # bf16 layout noise measured 1.8e-3: a margin of 5x at least (11x measured)
+    assert delta * 5 <= proof.TOLERANCE["reduced"], delta
 
 
 def test_a_checkpoint_without_a_proof_loads_with_one_line(resumed, saved):

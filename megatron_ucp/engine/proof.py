@@ -39,10 +39,12 @@ PROBE_SEED = 20240917  # fixed: the probe is the same sequence for every run of 
 # Digests of the same values summed in another order (another layout) differ by float64
 # rounding: relative to the sum of |terms|, far below any value's own precision.
 DIGEST_ROUNDING = 1e-12
-# Per-token tolerance of the probe's losses. Measured (docs/design.md, "The resume proof"):
-# layout noise fp32 <= 3e-6, bf16 <= 2e-2 over the resume matrix; the faults of issue 46
-# (a swapped pair of heads, another padding, another tensor) move some token by > 0.1.
-TOLERANCE = {"float32": 1e-3, "reduced": 6e-2}
+# Per-token tolerance of the probe's losses (docs/design.md, "The resume proof", measured on
+# the own loop's resume tests): fp32 layout noise 4.8e-7, bf16 1.8e-3; a state fault moves some
+# token by 2e-3 (one pair of key rows swapped after 6 steps: the digests name it) to 0.14 (a
+# tensor of another model). Another device or layer implementation (GPU/TE -> CPU/local) rounds
+# each matmul otherwise: "implementation" holds it.
+TOLERANCE = {"float32": 1e-3, "reduced": 2e-2, "implementation": 6e-2}
 # States kept in another dtype on the two sides (bf16 moments, a bf16 model param on a load
 # without optimizer): equal within that dtype's rounding.
 _EPS = {"float32": 0.0, "float64": 0.0, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
@@ -307,16 +309,18 @@ def _measure(model, tensors, with_optimizer: bool, probe: Probe) -> dict:
 
     losses = probe_losses(model, probe)
     digests, dtypes = gathered_digests(tensors, with_optimizer)
-    return {"dtype": _compute_dtype(model), "device": _device_type(),
+    return {"dtype": _compute_dtype(model), "device": _device_type(model),
             "padded_vocab_size": int(unwrap(model[0]).vocab_size),
             "losses": [_finite(v) for v in losses], "state_dtypes": dtypes,
             "digests": {k: [_finite(d), _finite(a)] for k, (d, a) in sorted(digests.items())}}
 
 
-def _device_type() -> str:
+def _device_type(model) -> str:
+    """Where and with which layers the probe ran: "cpu/local", "cuda/te", ..."""
     from megatron_ucp.engine.collective import group_device
 
-    return group_device().type
+    te = any(type(m).__module__.startswith("transformer_engine") for chunk in model for m in chunk.modules())
+    return f"{group_device().type}/{'te' if te else 'local'}"
 
 
 def _finite(v: float):
@@ -324,8 +328,9 @@ def _finite(v: float):
 
 
 def loss_tolerance(saved: dict, now: dict) -> float:
-    exact = (saved.get("dtype") == now["dtype"] == "float32" and saved.get("device") == now["device"])
-    return TOLERANCE["float32"] if exact else TOLERANCE["reduced"]
+    if saved.get("device") != now["device"]:
+        return TOLERANCE["implementation"]
+    return TOLERANCE["float32"] if saved.get("dtype") == now["dtype"] == "float32" else TOLERANCE["reduced"]
 
 
 def largest_delta(saved: dict, now: dict) -> Tuple[float, int]:
