@@ -186,10 +186,23 @@ def saved(tmp_path_factory):
         train_step("ref", PROOF_BASE + TP2, iters=N, save=str(work / "a"), interval=3),
         train_step("other", PROOF_BASE + TP2 + ["--seed", "8"], iters=K, save=str(work / "b"), interval=K),
         train_step("bf16", PROOF_BASE + TP2 + ["--bf16"], iters=N, save=str(work / "bf16"), interval=K),
+        dict(train_step("torch_dist", PROOF_BASE + TP2 + DIST, iters=K, save=str(work / "td"), interval=K),
+             argv=BASE + PROOF_BASE + TP2 + DIST + ["--train-iters", str(K), "--save", str(work / "td"),
+                                                    "--save-interval", str(K), "--ckpt-format", "torch_dist"]),
     ]
     results = run_steps(2, steps, work / "runs")
-    for name in ("ref", "other", "bf16"):
+    for name in ("ref", "other", "bf16", "torch_dist"):
         ok(results, name)
+    # the streaming converter records the proof of megatron's own one-process load of the source
+    from megatron_ucp.convert.to_universal import convert
+
+    summary = convert(str(work / "td"), str(work / "converted"), iteration=K, progress=False)
+    shutil.copytree(work / "converted", work / "misconverted")
+    layer = "decoder.layers.{}.mlp.linear_fc1.weight"  # a mapping that mixes up two layers
+    first, second = (faults.read_state(work / "misconverted" / f"iter_{K:07d}", layer.format(i)) for i in (0, 1))
+    faults.write_state(work / "misconverted" / f"iter_{K:07d}", layer.format(0), "param", second)
+    faults.write_state(work / "misconverted" / f"iter_{K:07d}", layer.format(1), "param", first)
+    results["convert"] = summary
     it = f"iter_{K:07d}"
     for fault in ("swap", "moments", "tensor", "unproved"):
         shutil.copytree(work / "a", work / fault)
@@ -216,7 +229,9 @@ def resumed(saved):
     steps += [train_step("pp2", PROOF_BASE + PP2, iters=N, load=str(work / "a"), step=K),
               train_step("dp2_dist", PROOF_BASE + DIST, iters=N, load=str(work / "a"), step=K),
               train_step("unproved", PROOF_BASE + PP2, iters=N, load=str(work / "unproved"), step=K),
-              train_step("bf16_dp2_dist", PROOF_BASE + DIST + ["--bf16"], iters=N, load=str(work / "bf16"), step=K)]
+              train_step("bf16_dp2_dist", PROOF_BASE + DIST + ["--bf16"], iters=N, load=str(work / "bf16"), step=K),
+              train_step("converted_pp2", PROOF_BASE + PP2, iters=K + 1, load=str(work / "converted"), step=K),
+              _load("misconverted", work / "misconverted", PP2)]
     return run_steps(2, steps, work / "resumes")
 
 
@@ -260,3 +275,38 @@ def test_a_checkpoint_without_a_proof_loads_with_one_line(resumed, saved):
     r = ok(resumed, "unproved")
     assert f"iter_{K:07d} holds no resume proof" in r["stdout"]
     assert max_loss_delta(losses(results, "ref"), losses(resumed, "unproved")) < 1e-4
+
+
+def test_a_converted_checkpoint_carries_the_proof_of_its_source(saved, resumed):
+    """The streamed torch_dist conversion records what megatron's own load of the source
+    computes; the converted checkpoint passes it on another layout, and a conversion that mixed
+    up two layers' weights is refused at its first resume."""
+    _, results = saved
+    assert results["convert"]["proof"].startswith("resume proof recorded from megatron's own load"), results["convert"]
+    assert _proved(ok(resumed, "converted_pp2")) <= proof.TOLERANCE["float32"]
+    line = _refusals(ok(resumed, "misconverted"))[0]
+    assert "decoder.layers.0.mlp.linear_fc1.weight' param" in line and "fails its resume proof" in line
+
+
+def _inspect(*args):
+    import subprocess
+    import sys
+
+    from harness import REPO
+
+    return subprocess.run([sys.executable, "-m", "megatron_ucp", "inspect", *map(str, args)], capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+
+def test_inspect_shows_the_proof_and_prove_recomputes_it_in_one_process(saved):
+    work, _ = saved
+    shown = _inspect(work / "a")
+    assert shown.returncode == 0 and "proof        16 probe tokens of vocab 307 (padded 512)" in shown.stdout
+    good = _inspect(work / "a", "--verify", "--prove")
+    assert good.returncode == 0 and "resume proof passed" in good.stdout, good.stdout + good.stderr
+    bad = _inspect(work / "swap" / f"iter_{K:07d}", "--verify", "--prove")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAILED: 1 problem" in bad.stdout and "linear_qkv.weight' param" in bad.stdout
+    unproved = _inspect(work / "unproved" / f"iter_{K:07d}", "--verify", "--prove")
+    assert unproved.returncode == 1 and "no resume proof to check" in unproved.stdout
+    assert "proof        none recorded" in unproved.stdout
