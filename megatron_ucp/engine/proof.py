@@ -209,13 +209,23 @@ def pattern(name: str, part: str, dim: int, size: int, device) -> torch.Tensor:
     return _PATTERNS[key]
 
 
+_CHUNK = 1 << 22  # elements converted to float64 at a time (32 MiB): a vocabulary box is GBs
+
+
 def box_digest(name: str, part: str, part_shape, offset, data: torch.Tensor) -> Tuple[float, float]:
-    """(sum of data x weights, sum of |data| x |weights|) of the box at `offset` holding `data`."""
-    x, a = data.to(torch.float64), data.to(torch.float64).abs()
-    for dim in reversed(range(data.dim())):
-        w = pattern(name, part, dim, part_shape[dim], data.device)[offset[dim]:offset[dim] + data.shape[dim]]
-        x, a = x @ w, a @ w.abs()
-    return float(x), float(a)
+    """(sum of data x weights, sum of |data| x |weights|) of the box at `offset` holding `data`,
+    in slices along its first dimension."""
+    total = scale = 0.0
+    rows = max(1, _CHUNK // max(1, data[0].numel() if data.dim() else 1))
+    for lo in range(0, data.shape[0] if data.dim() else 1, rows):
+        x = data[lo:lo + rows].to(torch.float64) if data.dim() else data.to(torch.float64)
+        a = x.abs()
+        for dim in reversed(range(x.dim())):
+            start = offset[dim] + (lo if dim == 0 else 0)
+            w = pattern(name, part, dim, part_shape[dim], data.device)[start:start + x.shape[dim]]
+            x, a = x @ w, a @ w.abs()
+        total, scale = total + float(x), scale + float(a)
+    return total, scale
 
 
 def region_digest(name: str, part_shape, region, data: torch.Tensor) -> Tuple[float, float]:
