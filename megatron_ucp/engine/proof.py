@@ -36,9 +36,10 @@ from megatron_ucp.format.manifest import MAX_PROBE_TOKENS
 
 PROOF_VERSION = 1
 PROBE_SEED = 20240917  # fixed: the probe is the same sequence for every run of a vocabulary
-# Digests of the same values summed in another order (another layout) differ by float64
-# rounding: relative to the sum of |terms|, far below any value's own precision.
-DIGEST_ROUNDING = 1e-12
+# Digests of the same values summed in another order (another layout cuts the innermost
+# dimension's fp32 dot products elsewhere) differ by fp32 rounding of those sums, relative to
+# the sum of |terms|: far below what a wrong state moves (a swapped pair of heads: ~1e-2).
+DIGEST_ROUNDING = 1e-5
 # Per-token tolerance of the probe's losses (docs/design.md, "The resume proof", measured on
 # the own loop's resume tests): fp32 layout noise 4.8e-7, bf16 1.8e-3; a state fault moves some
 # token by 2e-3 (one pair of key rows swapped after 6 steps: the digests name it) to 0.14 (a
@@ -209,22 +210,29 @@ def pattern(name: str, part: str, dim: int, size: int, device) -> torch.Tensor:
     return _PATTERNS[key]
 
 
-_CHUNK = 1 << 22  # elements converted to float64 at a time (32 MiB): a vocabulary box is GBs
+_CHUNK = 1 << 24  # elements contracted at a time (64 MiB of fp32)
 
 
 def box_digest(name: str, part: str, part_shape, offset, data: torch.Tensor) -> Tuple[float, float]:
-    """(sum of data x weights, sum of |data| x |weights|) of the box at `offset` holding `data`,
-    in slices along its first dimension."""
+    """(sum of data x weights, an upper bound of sum |data x weights|) of the box at `offset`
+    holding `data`. The innermost dimension contracts in the data's own dtype (one pass over
+    the state, no copy: the fp32 rounding of those sums is DIGEST_ROUNDING's), the rest in
+    float64; in slices along the first dimension."""
+    if data.dim() == 0:
+        data = data.reshape(1)
+    last = data.dim() - 1
+    w_last = pattern(name, part, last, part_shape[last], data.device)[offset[last]:offset[last] + data.shape[last]]
+    w_inner = w_last.to(data.dtype if data.is_floating_point() else torch.float32)
     total = scale = 0.0
-    rows = max(1, _CHUNK // max(1, data[0].numel() if data.dim() else 1))
-    for lo in range(0, data.shape[0] if data.dim() else 1, rows):
-        x = data[lo:lo + rows].to(torch.float64) if data.dim() else data.to(torch.float64)
-        a = x.abs()
-        for dim in reversed(range(x.dim())):
+    rows = max(1, _CHUNK // max(1, data[0].numel()))
+    for lo in range(0, data.shape[0], rows):
+        chunk = data[lo:lo + rows]
+        x = (chunk.reshape(-1, chunk.shape[-1]) @ w_inner).to(torch.float64).reshape(chunk.shape[:-1])
+        for dim in reversed(range(last)):
             start = offset[dim] + (lo if dim == 0 else 0)
-            w = pattern(name, part, dim, part_shape[dim], data.device)[start:start + x.shape[dim]]
-            x, a = x @ w, a @ w.abs()
-        total, scale = total + float(x), scale + float(a)
+            x = x @ pattern(name, part, dim, part_shape[dim], data.device)[start:start + x.shape[dim]]
+        total += float(x)
+        scale += float(torch.linalg.vector_norm(chunk, 1, dtype=torch.float64))  # |w| <= 1
     return total, scale
 
 
