@@ -129,6 +129,10 @@ def main() -> int:
         f = lambda x: f"{x:10.2f}" if x is not None else f"{'':10s}"  # noqa: E731
         g = f"{vs_td:18.2f}" if vs_td is not None else ""
         print(f"{name:50s} {seconds:9.2f} {f(vs_disk)} {g}")
+    save_s = statistics.median(r["universal_save_rounds_s"])
+    print(f"resume proof (recorded by every save, recomputed by every load): {r['proof_record_s']:.3f} s = "
+          f"{100 * r['proof_record_s'] / save_s:.1f}% of the median universal save ({save_s:.2f} s, the proof "
+          f"included); its forward pass {r['proof_forward_s']:.3f} s, the state digests the rest")
     print(f"async save: training stalls {r['async_save_stall_s']:.2f} s = "
           f"{r['async_save_stall_s'] / r['memcpy_state_s']:.2f}x an in-memory copy of the state "
           f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s; "

@@ -153,6 +153,15 @@ def main(spec: dict, out_path: str) -> None:
             results[f"{name}_save_s"] = t
             settle()  # what torch_dist left dirty is not billed to the next measurement
         results["rss_after_saves_mib"] = rss_mib()
+        # The resume proof each save records (and each load recomputes): its share of a save.
+        from megatron_ucp.engine import proof
+        from megatron_ucp.mcore.model_map import local_tensors
+
+        tensors = local_tensors(state.model, state.optimizer, args.vocab_size)
+        results["proof_record_s"] = timed(lambda: proof.record(state.model, tensors, True, args.vocab_size))[0]
+        results["proof_forward_s"] = timed(lambda: proof.probe_losses(
+            state.model, proof.Probe(proof.probe_length(args.seq_length, proof.layout_multiple()),
+                                     args.vocab_size)))[0]
         # Async stall against an in-memory copy of this rank's whole state (weights + moments).
         def copy_state():
             out = [p.detach().clone() for m in state.model for p in m.parameters()]

@@ -128,6 +128,38 @@ def test_both_copies_bad_fall_back_to_persistent(crashed, tmp_path):
     assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
 
 
+def _rewrite_meaning(local: Path, node: str, rank: int, iteration: int = 6) -> None:
+    """Rank `rank`'s piece with its first region's weights scaled, its sidecar's CRC redone: the
+    bytes are sound, the state is not (what only the resume proof sees)."""
+    from megatron_ucp.format import local_piece
+
+    node_dir = str(local / node)
+    path = str(_piece(local, node, rank, iteration))
+    meta, regions = local_piece.decode(Path(path).read_bytes(), path)
+    items = [(name, region) for name, region, _ in regions]
+    arrays = [dict(states) for _, _, states in regions]
+    arrays[0]["param"] = arrays[0]["param"] * 1.5
+    local_piece.write_piece(node_dir, iteration, rank, local_piece.encode(items, arrays, meta))
+
+
+def test_a_copy_that_fails_its_resume_proof_is_set_aside(crashed, tmp_path):
+    """Rank 0's piece of 6 rewritten with other weights on both nodes, every CRC redone: the
+    restored state fails the resume proof recorded at the local save; iteration 6 is set aside
+    (its COMPLETE markers removed: no later restart takes it), and the persistent 5 serves."""
+    def damage(local):
+        _rewrite_meaning(local, "node0", 0)
+        _rewrite_meaning(local, "node1", 0)
+
+    ref, r = _restart(crashed, tmp_path, ["node0", "node1"], damage=damage)
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(PERSISTENT + 1, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+    lines = [line for line in r["stdout"].splitlines() if "fails its resume proof (local tier)" in line]
+    assert len(lines) == 1 and "local checkpoint tier: iteration 6 set aside" in lines[0], r["stdout"]
+    for node in ("node0", "node1"):
+        assert not (tmp_path / "restart" / "local" / node / "iter_0000006" / "COMPLETE").exists()
+
+
 def test_persistent_save_into_a_full_disk_keeps_training(tmp_path):
     """The persistent save of iteration 4 fails with ENOSPC (every positional write of rank 0
     raises it: a full shared file system, simulated at the write calls; no tmpfs without root

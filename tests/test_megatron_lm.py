@@ -78,6 +78,25 @@ def test_resume_on_another_layout(python, reference, tmp_path, name, nproc, layo
     delta = max_delta(reference["losses"], r.losses(), range(K + 1, N + 1))
     assert min(r.losses()) == K + 1, "the resumed run starts after the checkpoint's iteration"
     assert delta <= TOL, f"{name}: max |dloss| {delta:.3g}"
+    assert "resume proof passed" in r.output  # the probe recomputed on this layout (engine/proof.py)
+
+
+def test_a_wrong_state_with_intact_checksums_is_refused_by_the_resume_proof(python, reference, tmp_path):
+    """Two heads' key rows swapped in the fp32 master weight, the file's checksums redone: the
+    load stops before the first step with one line naming the checkpoint, the tensor and the
+    values (tests/test_resume_proof.py: more faults, on the own loop)."""
+    import meaning_faults
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference["ckpt"] / f"iter_{K:07d}", ckpt / f"iter_{K:07d}")
+    meaning_faults.swap_key_rows(ckpt / f"iter_{K:07d}", layer=2, heads=4)
+    r = run(python, tmp_path / "run", 2, PP2 + UNIVERSAL + ["--load", str(ckpt), "--ckpt-step", str(K)], N)
+    assert r.returncode != 0 and not r.losses(), "trained on a wrong state"
+    lines = {line for line in r.output.splitlines() if "fails its resume proof" in line}
+    assert lines, r.output[-4000:]
+    line = sorted(lines)[0]
+    assert f"iter_{K:07d}" in line and "decoder.layers.2.self_attention.linear_qkv.weight' param" in line
+    assert "saved" in line and "now" in line and "--no-resume-proof" in line
 
 
 def test_resume_with_another_padded_vocabulary(python, reference, tmp_path):

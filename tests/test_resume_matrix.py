@@ -149,7 +149,10 @@ def dist_converted(work, w4n):
     for step, src, workers, it in (("n_full", "NF", 1, K), ("n_nodist", "NND", 2, K), ("n_vpp", "NV", 1, K),
                                    ("n_g", "NG", 2, 3)):
         ok(w4n, step)
-        out[src] = convert(str(work / src), str(work / f"C{src}"), iteration=it, workers=workers, progress=False)
+        # the resume proof from megatron's own load of the source: tools/convert_to_universal.py's
+        # run (CN) and tests/test_resume_proof.py record it; one megatron process each, spared here
+        out[src] = convert(str(work / src), str(work / f"C{src}"), iteration=it, workers=workers, progress=False,
+                           prove=False)
     return out
 
 
@@ -347,6 +350,7 @@ def test_state_after_resharded_load_is_bitwise_equal_two_processes(w2, work, sou
 def test_converted_torch_dist_equals_a_direct_universal_save(w4, w4n, work, converted, dist_converted, direct,
                                                              converted_dir):
     assert "converted" in converted and "GB/s" in converted  # the summary line
+    assert "resume proof recorded from megatron's own load of the source" in converted
     assert_same_state(work / direct, work / converted_dir)
     with open(work / direct / "ucp.json") as f, open(work / converted_dir / "ucp.json") as g:
         a, b = json.load(f), json.load(g)
@@ -363,14 +367,15 @@ def test_converted_moe_torch_dist_equals_a_direct_universal_save(w2, work):
 
     for step, src, direct in (("m_ep2_full", "MF", "M"), ("m_ep2_native", "MN", "M"), ("m_etp2_native", "MEN", "ME")):
         ok(w2, step)
-        convert(str(work / src), str(work / f"C{src}2"), iteration=K, progress=False)
+        convert(str(work / src), str(work / f"C{src}2"), iteration=K, progress=False, prove=False)
         assert_same_state(work / direct / "iter_0000005", work / f"C{src}2" / "iter_0000005")
         with open(work / direct / "iter_0000005" / "ucp.json") as f, \
                 open(work / f"C{src}2" / "iter_0000005" / "ucp.json") as g:
             a, b = json.load(f), json.load(g)
         # The run's bookkeeping (FLOPs so far, skipped iterations) is kept by universal saves
         # only: megatron's formats as this project writes them do not hold it (yet).
-        other = ("args", "progress")
+        # The resume proof: recorded by the save (test_resume_proof.py: by conversions too).
+        other = ("args", "progress", "proof")
         assert {k: v for k, v in a.items() if k not in other} == {k: v for k, v in b.items() if k not in other}
     ok(w2, "c_moe_via_megatron")
     assert_same_state(work / "M" / "iter_0000005", work / "CMN" / "iter_0000005")

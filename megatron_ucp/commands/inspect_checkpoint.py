@@ -1,10 +1,11 @@
 """Summarize (and optionally verify) a megatron-ucp universal checkpoint.
 
-    megatron-ucp inspect CKPT [--verify] [--json]
+    megatron-ucp inspect CKPT [--verify [--prove]] [--json]
 
 CKPT is a save folder (its latest_checkpointed_iteration.txt picks the iteration) or an
 iter_XXXXXXX folder. Exit status: 0 OK, 1 verification found problems, 2 unreadable checkpoint.
-Needs numpy only: neither torch nor megatron is imported.
+Needs numpy only: neither torch nor megatron is imported, but by --prove, which loads the model
+in one CPU process (from the manifest's arguments) and recomputes its resume proof there.
 """
 
 import argparse
@@ -22,12 +23,19 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="save folder (with the tracker file) or iter_XXXXXXX folder")
     p.add_argument("--verify", action="store_true",
                    help="check every tensor file's header, size and block checksums")
+    p.add_argument("--prove", action="store_true",
+                   help="with --verify: load the checkpoint into a one-process CPU model built from its "
+                        "arguments and recompute its resume proof (what its model computes)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
+    if args.prove and not args.verify:
+        p.error("--prove goes with --verify")
     try:
         desc = describe(args.checkpoint)
         start = time.perf_counter()
         problems = verify(args.checkpoint) if args.verify else None
+        if args.prove and not problems:
+            problems = _prove(desc)
         elapsed = time.perf_counter() - start
     except UCPError as e:
         return report("inspect_checkpoint", e)
@@ -40,6 +48,18 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `| head`: the reader has what it wanted; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush is quiet
         return 0 if not problems else 1
+
+
+def _prove(desc: dict) -> list:
+    """[] when the resume proof holds in one process, else its line; the line is printed."""
+    from megatron_ucp.convert import prove
+
+    root = os.path.dirname(os.path.normpath(desc["path"]))
+    result = prove.check(root, desc["iteration"])
+    desc["proof_check"] = result["line"]
+    if result.get("ok") and desc["proof"] is None:
+        return [f"{desc['path']}: no resume proof to check (saved before megatron-ucp recorded one)"]
+    return [] if result.get("ok") else [result["line"]]
 
 
 def _print(desc: dict, problems, elapsed: float, as_json: bool) -> int:
@@ -57,7 +77,8 @@ def _print(desc: dict, problems, elapsed: float, as_json: bool) -> int:
         for msg in problems:
             print(f"  {msg}", file=out)
         return 1
-    print(f"OK: {desc['num_tensors']} files, {desc['total_bytes']} bytes verified in {elapsed:.2f} s", file=out)
+    proved = f"; {desc['proof_check']}" if desc.get("proof_check") else ""
+    print(f"OK: {desc['num_tensors']} files, {desc['total_bytes']} bytes verified in {elapsed:.2f} s{proved}", file=out)
     return 0
 
 

@@ -51,8 +51,10 @@ def _refuse_universal(directory: str):
 
 
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
-            progress=True, via_megatron=False) -> dict:
-    """Convert; returns a summary (iteration, tensors, bytes, seconds)."""
+            progress=True, via_megatron=False, prove=True) -> dict:
+    """Convert; returns a summary (iteration, tensors, bytes, seconds, and how the resume proof
+    went). `prove`: record the proof of megatron's own load of a streamed torch_dist source
+    (--via-megatron's save records it from the same load)."""
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
     from megatron_ucp.format.folder import MANIFEST, found_format, iteration_dir
@@ -81,7 +83,10 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     if not via_megatron:
         from megatron_ucp.convert import torch_dist as dist_convert
 
-        return dist_convert.convert(iteration_dir(root, it), output_dir, extra_argv, nproc, workers, progress)
+        summary = dist_convert.convert(iteration_dir(root, it), output_dir, extra_argv, nproc, workers, progress)
+        if prove:
+            summary["proof"] = _proof_from_source(root, it, output_dir, extra_argv)
+        return summary
     args = stored_args(iteration_dir(root, it))
     argv = argv_from_args(args) + list(extra_argv)
     if not args and not extra_argv:
@@ -111,6 +116,21 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
             "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
 
 
+def _proof_from_source(root: str, iteration: int, output_dir: str, extra_argv) -> str:
+    """convert/prove.py: the source loaded by megatron in one process; a model that does not fit
+    leaves the converted checkpoint without a proof, said in the summary."""
+    from megatron_ucp.convert import prove
+    from megatron_ucp.convert.export_torch_dist import carried_argv
+    from megatron_ucp.format.folder import iteration_dir
+
+    # the model's flags, not the source's layout: one process, megatron reshards on load
+    argv = carried_argv(stored_args(iteration_dir(root, iteration))) + list(extra_argv)
+    try:
+        return prove.record_from_source(root, iteration, output_dir, argv)
+    except (ConfigError, FormatError) as e:
+        return f"resume proof not recorded ({e})"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -124,13 +144,18 @@ def main(argv=None) -> int:
     p.add_argument("--via-megatron", action="store_true",
                    help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-proof", action="store_true",
+                   help="torch_dist: skip recording the resume proof (megatron's own load of the source in "
+                        "one CPU process, whose losses and weights the first resume compares)")
     a = p.parse_args(own)
     if a.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
     summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress,
-                      a.via_megatron)
+                      a.via_megatron, not a.no_proof)
     print(f"converted {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
           f"{summary['seconds']:.1f} s ({summary['GB/s']:.3f} GB/s) into {summary['output']}")
+    if summary.get("proof"):
+        print(f" {summary['proof']}")
     return 0
 
 

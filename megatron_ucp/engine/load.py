@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron_ucp.engine import proof
 from megatron_ucp.engine.collective import exchange_objects, run_everywhere
 from megatron_ucp.engine.planner import names_by_owner, unclaimed
 from megatron_ucp.engine.reads import exchange, read_plan, read_tensors
@@ -47,6 +48,7 @@ class LoadResult:
     read_policy: str = "auto"
     bytes_exchanged: int = 0  # bytes this rank received from its replicas instead of storage
     read_notes: tuple = ()  # why a replica group read per rank under the policies "once" and "auto"
+    proof_note: Optional[str] = None  # how the resume proof went (engine/proof.check's line)
 
 
 def _check_tensors(m: mf.Manifest, tensors, path: str) -> None:
@@ -135,7 +137,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                    iteration: Optional[int] = None, load_optim: bool = True,
                    load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
                    counter: Optional[tensor_io.ReadCounter] = None,
-                   load_scheduler: bool = True, read_policy: str = "auto") -> LoadResult:
+                   load_scheduler: bool = True, read_policy: str = "auto", prove: bool = True,
+                   tier: str = "persistent") -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
     Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
@@ -151,6 +154,9 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     exchanges it over the group; "per-rank" has every rank read all it holds (faster where the
     replicas share a node, whose page cache serves them one read); "auto" reads once in the
     replica groups that span nodes, per rank in the others (docs/design.md, "Read once").
+    `prove` recomputes the checkpoint's resume proof on this layout before anything returns
+    (engine/proof.py) and raises proof.ResumeProofError on every rank when the restored state
+    computes something else; `tier` names where the checkpoint came from in that message.
     """
     if read_policy not in READ_POLICIES:
         raise ConfigError(f"read_policy {read_policy!r}: expected one of {list(READ_POLICIES)}")
@@ -192,6 +198,12 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
 
     run_everywhere(restore)
     rehashed = check_hashes(root, m, layouts, plan, hashes) if plan is not None else 0
+    note = None
+    if prove:  # before RNG is restored: the probe's forward pass must not shift any generator
+        live = local_tensors(model, optimizer if with_optim else None, vocab_size)
+        note = run_everywhere(proof.check, full.proof, model, live, with_optim, vocab_size, root, tier)
+        if note and dist.get_rank() == 0:
+            print(f" {note}", flush=True)
     if rng_state is not None:
         run_everywhere(rng.restore, rng_state)
     elif reseed is not None:
@@ -200,7 +212,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
         print(" warning: read-once load: " + "; ".join(reading.notes) + ": each member of such a group "
               "reads all it holds", flush=True)
     return LoadResult(int(m.iteration), int(m.consumed_samples), changed, counter.bytes, full,
-                      rehashed, read_policy, exchanged, tuple(reading.notes))
+                      rehashed, read_policy, exchanged, tuple(reading.notes),
+                      note if prove else "resume proof not checked (--no-resume-proof)")
 
 
 def _restore_optimizer_record(optimizer, record: dict, root: str) -> None:

@@ -29,6 +29,7 @@ from megatron_ucp.engine import local_check, local_plan
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.load import load_universal
 from megatron_ucp.engine.local_tier import CPU, exchange_bytes
+from megatron_ucp.engine.proof import ResumeProofError
 from megatron_ucp.engine.planner import part_shapes_of
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.format import folder, local_piece, tensor_io
@@ -245,12 +246,15 @@ def restore(tier, args, state, newer_than: int, reseed=None):
         if tier.leader:
             shutil.rmtree(root, ignore_errors=True)
         return None
-    result = load_universal(root, state.model, state.optimizer, state.scheduler,
-                            vocab_size=args.vocab_size, iteration=choice.iteration,
-                            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-                            load_scheduler=not args.no_load_scheduler, strict=not args.no_strict_load,
-                            verify=False, reseed=reseed,
-                            read_policy=args.ckpt_read_policy)
+    try:
+        result = load_universal(root, state.model, state.optimizer, state.scheduler,
+                                vocab_size=args.vocab_size, iteration=choice.iteration,
+                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                load_scheduler=not args.no_load_scheduler, strict=not args.no_strict_load,
+                                verify=False, reseed=reseed, read_policy=args.ckpt_read_policy,
+                                prove=not getattr(args, "no_resume_proof", False), tier="local")
+    except ResumeProofError as e:
+        return _disproved(tier, args, state, newer_than, reseed, choice.iteration, root, e)
     dist.barrier(group=tier.group)
     if tier.leader:
         shutil.rmtree(root, ignore_errors=True)
@@ -263,6 +267,25 @@ def restore(tier, args, state, newer_than: int, reseed=None):
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
               f"{newer_than if newer_than >= 0 else 'none'}){notes}", flush=True)
+    return result
+
+
+def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, root: str, error):
+    """A local iteration whose restored state failed its resume proof: set aside on every node
+    (no restart takes it again), then the next local iteration, else the persistent tier. The
+    model already holds the refused state: with no persistent checkpoint to overwrite it, the
+    job stops and its restart trains from scratch."""
+    dist.barrier(group=tier.group)
+    if tier.leader:
+        shutil.rmtree(root, ignore_errors=True)
+    set_aside(tier, iteration)
+    if dist.get_rank() == 0:
+        print(f" local checkpoint tier: iteration {iteration} set aside: {error}", flush=True)
+    result = restore(tier, args, state, newer_than, reseed)
+    if result is None and newer_than < 0:
+        raise IntegrityError(f"local checkpoint tier {args.local_ckpt_dir}: iteration {iteration} failed its "
+                             "resume proof and no persistent checkpoint holds the job's state: restart to "
+                             "train from scratch (the refused iteration is set aside)")
     return result
 
 

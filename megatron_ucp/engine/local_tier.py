@@ -20,7 +20,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from megatron_ucp.engine import local_plan, ownership
+from megatron_ucp.engine import local_plan, ownership, proof
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot
 from megatron_ucp.errors import ConfigError, SaveError
@@ -118,6 +118,7 @@ class LocalTier:
         states = STATES if optimizer is not None else ("param",)
         tensors = local_tensors(state.model, optimizer, args.vocab_size)
         plan, sources, entries, _, _ = _plan(tensors, states, optimizer is not None, merge=False)
+        record = proof.record(state.model, tensors, optimizer is not None, args.vocab_size)
         snapshot = _snapshot(plan.items, sources, states, copy=True)
         rank = dist.get_rank()
         meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(), "job": self.job,
@@ -126,7 +127,7 @@ class LocalTier:
             meta["head"] = _manifest_head(iteration, entries, state.model, optimizer,
                                           None if optimizer is None else state.scheduler, args.vocab_size,
                                           consumed, vars(args), not args.no_save_rng,
-                                          dict(state.progress)).to_json()
+                                          dict(state.progress), record).to_json()
         items = [(i.name, i.region) for i in plan.items]
         arrays = [snapshot[i.key] for i in plan.items]
         self.pending = _Background(lambda: self._write(iteration, items, arrays, meta))

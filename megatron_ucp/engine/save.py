@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import settings
-from megatron_ucp.engine import ownership
+from megatron_ucp.engine import ownership, proof
 from megatron_ucp.engine.collective import (all_true, exchange_objects, group_device, on_rank_zero,
                                             run_everywhere)
 from megatron_ucp.engine.plan import offer_items
@@ -59,7 +59,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
 
 
-def _sources(t, states):
+def sources_of(t, states):
     """1-D fp32 tensors per state covering [start, stop) of the local flat tensor."""
     if t.fragment is None:
         return 0, t.param.numel(), {"param": t.param.detach().reshape(-1)}
@@ -74,7 +74,7 @@ def _offers(tensors, states, with_optimizer: bool):
     offers, sources = [], {}
     for item, t, offset in offer_items(tensors, len(states), with_optimizer):
         offers.append(item)
-        sources[item.key] = (offset, _sources(t, states)[2])
+        sources[item.key] = (offset, sources_of(t, states)[2])
     return offers, sources
 
 
@@ -341,7 +341,7 @@ class AsyncSave:
 def save_universal(save_dir: str, iteration: int, model, optimizer=None, scheduler=None, *,
                    vocab_size: int, consumed_samples: int = 0, args: dict = None,
                    keep_last: int = None, async_save: bool = False, save_rng: bool = True,
-                   progress: dict = None):
+                   progress: dict = None, prove: bool = True):
     """Write a universal checkpoint of the model (and optimizer, scheduler) at `iteration`.
 
     Collective: every rank of the job calls it. Returns the committed folder. A failure on any
@@ -352,11 +352,13 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     are written and committed in a background thread, and an `AsyncSave` is returned (call
     `wait()` before the next save and before exit). Without `save_rng` no RNG file is written
     and the manifest says so ("rng_saved": false): the load reseeds. `progress` is the training
-    loop's bookkeeping (docs/FORMAT.md), stored as given.
+    loop's bookkeeping (docs/FORMAT.md), stored as given. `prove` records the resume proof
+    (engine/proof.py: one forward pass of a probe sequence), which every load checks.
     """
     rank = dist.get_rank()
     states = STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
+    record = proof.record(model, tensors, optimizer is not None, vocab_size) if prove else None
     plan, sources, entries, part_shapes, created = _plan(tensors, states, optimizer is not None)
     merges = plan.merges
     staging = _STAGING.take() if async_save else None
@@ -369,7 +371,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
                                                 torch.device("cpu") if async_save else group_device())
     snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
-                          consumed_samples, args, save_rng, progress) if rank == 0 else None
+                          consumed_samples, args, save_rng, progress, record) if rank == 0 else None
     job = functools.partial(_execute, save_dir, iteration, plan.items, snapshot, transfers, entries,
                             part_shapes, created, rng.capture() if save_rng else None, head, keep_last,
                             _checkpoint_group() if async_save else None)
@@ -412,7 +414,7 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
 
 
 def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
-                   consumed_samples, args, save_rng=True, progress=None) -> mf.Manifest:
+                   consumed_samples, args, save_rng=True, progress=None, proof_record=None) -> mf.Manifest:
     """Everything in the manifest but the checksums, taken when the save is called."""
     head = mf.head(iteration=iteration, consumed_samples=consumed_samples,
                    architecture=mf.architecture(unwrap(model[0]), vocab_size),
@@ -420,7 +422,7 @@ def _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                    optimizer=None if optimizer is None else _optimizer_record(optimizer),
                    scheduler=scheduler.state_dict() if scheduler is not None else None,
                    args=args, rng_saved=save_rng,
-                   progress=None if progress is None else mf.jsonable(progress))
+                   progress=None if progress is None else mf.jsonable(progress), proof=proof_record)
     return dataclasses.replace(head, tensors=dict(entries))
 
 

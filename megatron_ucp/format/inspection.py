@@ -57,8 +57,30 @@ def describe(path: str) -> dict:
         "iteration": m.iteration, "consumed_samples": m.consumed_samples,
         "architecture": m.architecture, "layout": m.layout,
         "optimizer_step": (m.optimizer or {}).get("step"),
+        "proof": _proof_summary(m.proof),
         "num_tensors": len(rows), "total_bytes": sum(r["bytes"] for r in rows), "tensors": rows,
     }
+
+
+def _proof_summary(record):
+    """The resume proof in a few words (engine/proof.py), or None where none was recorded."""
+    if record is None:
+        return None
+    losses = [v for v in record["losses"] if v is not None]
+    states = sorted({k.rsplit("|", 1)[1] for k in record["digests"]})
+    return {"probe_tokens": record["probe"]["tokens"], "vocab_size": record["probe"]["vocab_size"],
+            "dtype": record["dtype"], "device": record["device"],
+            "padded_vocab_size": record["padded_vocab_size"],
+            "mean_loss": sum(losses) / len(losses) if losses else None,
+            "digests": len(record["digests"]), "states": states}
+
+
+def _proof_line(p) -> str:
+    if p is None:
+        return "none recorded (saved before megatron-ucp recorded one): loads unchecked"
+    mean = f"{p['mean_loss']:.4f}" if p["mean_loss"] is not None else "-"
+    return (f"{p['probe_tokens']} probe tokens of vocab {p['vocab_size']} (padded {p['padded_vocab_size']}), "
+            f"mean loss {mean}, {p['dtype']} on {p['device']}; {p['digests']} digests of {','.join(p['states'])}")
 
 
 def _human(n: int) -> str:
@@ -80,6 +102,7 @@ def format_table(desc: dict) -> str:
         f"optimizer_step {desc['optimizer_step'] if desc['optimizer_step'] is not None else '-'}",
         f"architecture {_pairs(desc['architecture'])}",
         f"layout       {_pairs(desc['layout'])}",
+        f"proof        {_proof_line(desc['proof'])}",
         f"tensors      {desc['num_tensors']} files, {desc['total_bytes']} bytes ({_human(desc['total_bytes'])})",
         "",
     ]

@@ -67,6 +67,7 @@ class Manifest:
     rng_saved: bool = True  # False: saved without RNG states (rng/ is empty)
     progress: Optional[dict] = None  # the training loop's bookkeeping (docs/FORMAT.md 4.8)
     source: Optional[dict] = None  # where a converted checkpoint came from
+    proof: Optional[dict] = None  # the resume proof (engine/proof.py; docs/FORMAT.md 4.9); None: none recorded
     version: int = FORMAT_VERSION  # the format version of the file it was read from
 
     def to_json(self) -> dict:
@@ -77,7 +78,7 @@ class Manifest:
                "args": self.args}
         if not self.rng_saved:
             out["rng_saved"] = False
-        for key in ("progress", "source"):
+        for key in ("progress", "source", "proof"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         out["tensors"] = {name: e.to_json() for name, e in self.tensors.items()}
@@ -86,13 +87,13 @@ class Manifest:
 
 def head(*, iteration: int, consumed_samples: int, architecture: dict, layout: Layout, optimizer,
          scheduler, args, rng_saved: bool = True, progress: Optional[dict] = None,
-         source: Optional[dict] = None) -> Manifest:
+         source: Optional[dict] = None, proof: Optional[dict] = None) -> Manifest:
     """Everything in a manifest but its tensor entries, as every writer of a checkpoint (the
     save and the converters) records it; the writer adds the entries (`dataclasses.replace`)
     once its files are written."""
     return Manifest(iteration=int(iteration), consumed_samples=int(consumed_samples), architecture=architecture,
                     layout=layout.to_json(), optimizer=optimizer, scheduler=scheduler, args=jsonable(args or {}),
-                    rng_saved=bool(rng_saved), progress=progress, source=source)
+                    rng_saved=bool(rng_saved), progress=progress, source=source, proof=proof)
 
 
 def moe_layer_pattern(config) -> Optional[list]:
@@ -325,7 +326,7 @@ def read_manifest(directory: str) -> Manifest:
     return Manifest(iteration=m["iteration"], consumed_samples=m["consumed_samples"], architecture=m["architecture"],
                     layout=m["layout"], optimizer=m.get("optimizer"), scheduler=m.get("scheduler"),
                     args=m.get("args"), tensors=tensors, rng_saved=m.get("rng_saved", True),
-                    progress=m.get("progress"), source=m.get("source"), version=version)
+                    progress=m.get("progress"), source=m.get("source"), proof=m.get("proof"), version=version)
 
 
 def _check_meaning(m: dict, path: str, directory: str) -> None:
@@ -351,6 +352,46 @@ def _check_meaning(m: dict, path: str, directory: str) -> None:
         check_optimizer(m["optimizer"], path)
     if m.get("scheduler") is not None:
         check_scheduler(m["scheduler"], path)
+    if m.get("proof") is not None:
+        check_proof(m["proof"], path)
+
+
+MAX_PROBE_TOKENS = 128  # the resume proof's probe sequence, at most (engine/proof.py)
+MAX_PROOF_DIGESTS = 1 << 22  # a few states of a million atomic tensors
+
+
+def _loss_value(v) -> bool:
+    return v is None or (_is_number(v) and v >= 0)
+
+
+def check_proof(record, path: str) -> None:
+    """The resume proof (engine/proof.py) as save writes it: a probe the loader can rebuild
+    (bounded), per-token losses, and state digests keyed 'name|state'."""
+    _need(isinstance(record, dict), path, f"'proof' is {record!r:.60}, expected an object or null")
+    _need(record.get("version") == 1, path, f"'proof.version' is {record.get('version')!r:.40}, expected 1")
+    probe = record.get("probe")
+    _need(isinstance(probe, dict), path, f"'proof.probe' is {probe!r:.60}, expected an object")
+    _check_block(probe, {"seed": _COUNT, "tokens": (lambda v: _is_int(v) and 1 <= v <= MAX_PROBE_TOKENS,
+                                                    f"an integer 1..{MAX_PROBE_TOKENS}"),
+                         "vocab_size": _SIZE}, path, "proof.probe")
+    _check_block(record, {"padded_vocab_size": _SIZE}, path, "proof")
+    for key in ("dtype", "device"):
+        _need(isinstance(record.get(key), str) and len(record[key]) < 32, path,
+              f"'proof.{key}' is {record.get(key)!r:.40}, expected a short string")
+    losses = record.get("losses")
+    _need(isinstance(losses, list) and len(losses) == probe["tokens"] and all(map(_loss_value, losses)), path,
+          f"'proof.losses' is {losses!r:.60}, expected {probe['tokens']} numbers >= 0 (or null)")
+    dtypes = record.get("state_dtypes")
+    _need(isinstance(dtypes, dict) and len(dtypes) <= 8
+          and all(isinstance(k, str) and isinstance(v, str) and len(v) < 32 for k, v in dtypes.items()), path,
+          f"'proof.state_dtypes' is {dtypes!r:.60}, expected an object of dtype names")
+    digests = record.get("digests")
+    _need(isinstance(digests, dict) and len(digests) <= MAX_PROOF_DIGESTS, path,
+          f"'proof.digests' is {digests!r:.60}, expected an object of 'name|state': [digest, scale]")
+    for key, value in digests.items():
+        _need("|" in key and isinstance(value, list) and len(value) == 2
+              and all(v is None or _is_number(v) for v in value), path,
+              f"'proof.digests' holds {key!r:.60}: {value!r:.60}, expected [a number, a number]")
 
 
 def jsonable(obj):

@@ -8,6 +8,10 @@ def add_universal_flags(group) -> None:
                        help="universal: keep only the newest N checkpoints (never the one the tracker names)")
     group.add_argument("--no-verify-checkpoint", action="store_true",
                        help="universal: skip the block-checksum verification of a checkpoint on load")
+    group.add_argument("--no-resume-proof", action="store_true",
+                       help="universal: load even when the restored state fails the checkpoint's resume "
+                            "proof (what its model computed at save, recomputed on the new layout); "
+                            "without it such a load stops, and a local-tier copy is set aside")
     group.add_argument("--no-strict-load", action="store_true",
                        help="universal: ignore checkpoint tensors that have no place in the model")
     group.add_argument("--ckpt-read-policy", choices=["auto", "once", "per-rank"], default="auto",

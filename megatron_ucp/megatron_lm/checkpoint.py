@@ -227,7 +227,8 @@ def _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, iterati
                             load_optim=load_optim, load_scheduler=load_optim,
                             load_rng=not (finetune or args.no_load_rng),
                             strict=not args.no_strict_load, verify=not args.no_verify_checkpoint,
-                            reseed=lambda it: _reseed(args, it), read_policy=args.ckpt_read_policy)
+                            reseed=lambda it: _reseed(args, it), read_policy=args.ckpt_read_policy,
+                            prove=not getattr(args, "no_resume_proof", False))
     if not load_optim and optimizer is not None:
         _main_params_from_model(args, ddp_model, optimizer)
     return _resume_from(args, result, load_dir, finetune)

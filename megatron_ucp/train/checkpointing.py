@@ -235,7 +235,7 @@ def load(args, state, reseed=None):
                                 load_scheduler=not args.no_load_scheduler,
                                 strict=not args.no_strict_load,
                                 verify=not args.no_verify_checkpoint, reseed=reseed,
-                                read_policy=args.ckpt_read_policy)
+                                read_policy=args.ckpt_read_policy, prove=not args.no_resume_proof)
         iteration, consumed = result.iteration, result.consumed_samples
         state.progress = dict(result.manifest.progress or {})
     else:

@@ -53,6 +53,38 @@ def export(root: str, iteration: int, output: str, argv: list) -> None:
         checkpointing.save(args, state, result.iteration, result.consumed_samples)
 
 
+def prove(source: str, fmt: str, iteration: int, out: str, argv: list) -> None:
+    """In one process: load `source` (universal: its proof is checked by the load; torch_dist:
+    megatron's own load, weights only) and write {"ok", "line"} or {"proof"} as JSON to `out`."""
+    import json
+
+    from megatron_ucp.engine import proof
+    from megatron_ucp.engine.load import load_universal
+    from megatron_ucp.errors import UCPError
+    from megatron_ucp.format.durability import atomic_write_json
+    from megatron_ucp.mcore.model_map import local_tensors
+    from megatron_ucp.train import loop, native
+
+    try:
+        with loop.session(argv) as (args, state):
+            if fmt == "universal":
+                try:
+                    result = load_universal(source, state.model, state.optimizer, state.scheduler,
+                                            vocab_size=args.vocab_size, iteration=iteration, load_rng=False,
+                                            verify=False)
+                    record = {"ok": True, "line": result.proof_note}
+                except proof.ResumeProofError as e:
+                    record = {"ok": False, "line": str(e)}
+            else:
+                args.load, args.ckpt_step = source, iteration
+                native.load(args, state, iteration_dir(source, iteration))
+                tensors = local_tensors(state.model, None, args.vocab_size)
+                record = {"proof": proof.record(state.model, tensors, False, args.vocab_size)}
+    except UCPError as e:
+        record = {"ok": False, "line": str(e)}
+    atomic_write_json(out, json.loads(json.dumps(record)))
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -65,11 +97,18 @@ def main(argv=None) -> int:
     e.add_argument("ckpt")
     e.add_argument("out")
     e.add_argument("--iteration", type=int, required=True)
+    v = kinds.add_parser("prove", help="one process: a checkpoint's resume proof (convert/prove.py)")
+    v.add_argument("--source", required=True)
+    v.add_argument("--iteration", type=int, required=True)
+    v.add_argument("--format", choices=["universal", "torch_dist"], required=True)
+    v.add_argument("--out", required=True)
     a = p.parse_args(own)
     from megatron_ucp.engine.collective import close_distributed
 
     if a.kind == "convert":
         convert(a.output, extra)
+    elif a.kind == "prove":
+        prove(a.source, a.format, a.iteration, a.out, extra)
     else:
         export(a.ckpt, a.iteration, a.out, extra)
     close_distributed()  # before the interpreter's exit, which gloo may abort (engine/collective.py)

@@ -1,0 +1,93 @@
+"""A checkpoint's resume proof in one CPU process, outside any training job.
+
+- `check(root, iteration)`: `inspect --verify --prove`: the universal checkpoint loaded into a
+  one-process model built from its stored arguments, its resume proof recomputed there (the
+  load checks it, engine/proof.py): a CI-sized check that a folder is the model it claims to be.
+- `record_from_source(...)`: the proof of a converted checkpoint, computed from megatron's own
+  load of the SOURCE (torch_dist, in one process: megatron reshards it), written into the
+  converted manifest: a wrong mapping of the streaming converter is caught at the first resume
+  on any layout (the converted weights compute other losses, their digests differ).
+Both run the training application's worker (train/workers.py `prove`) through launch.run_workers.
+"""
+
+import json
+import os
+import tempfile
+
+from megatron_ucp.errors import ConfigError, FormatError
+
+# What the one process holds: the model, its fp32 master weights and Adam's moments, and
+# megatron's buffers beside them; refused up front where the machine has less free memory.
+_STATE_FACTOR = 3
+
+
+def _fits(nbytes: int, where: str) -> None:
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if nbytes * _STATE_FACTOR > free:
+        raise ConfigError(f"{where}: the proof loads the whole model in one process: about "
+                          f"{nbytes * _STATE_FACTOR / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available")
+
+
+def _model_argv(saved: dict, manifest, path: str) -> list:
+    from megatron_ucp.convert.export_torch_dist import carried_argv, carried_names
+    from megatron_ucp.mcore import saved_args
+
+    if not saved:
+        raise FormatError(f"{path}: the manifest stores no training arguments: the proof needs them to "
+                          "build the model")
+    saved_args.check(saved, carried_names(), manifest, path)
+    return carried_argv(saved) + ["--cpu", "--mock-data"]
+
+
+def _run(kind_argv: list, model_argv: list) -> dict:
+    from megatron_ucp.convert.launch import run_workers
+
+    with tempfile.TemporaryDirectory(prefix="ucp-prove-") as tmp:
+        out = os.path.join(tmp, "proof.json")
+        code = run_workers(1, "megatron_ucp.train.workers", ["prove", *kind_argv, "--out", out, "--", *model_argv])
+        if not os.path.exists(out):
+            raise FormatError(f"the proof's worker failed (exit code {code}) before it could say why")
+        with open(out) as f:
+            return json.load(f)
+
+
+def check(root: str, iteration: int) -> dict:
+    """{"ok": bool, "line": what the load said}: the universal checkpoint's resume proof
+    recomputed in one CPU process."""
+    from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.format.manifest import MANIFEST, read_manifest
+
+    directory = iteration_dir(root, iteration)
+    m = read_manifest(directory)
+    path = os.path.join(directory, MANIFEST)
+    _fits(sum(e.file_size or 0 for e in m.tensors.values()), directory)
+    argv = _model_argv(m.args if isinstance(m.args, dict) else {}, m, path)
+    # --load: the session keeps the checkpoint's padded vocabulary, as a resume does
+    argv += ["--load", root, "--ckpt-step", str(iteration), "--load-universal"]
+    return _run(["--source", root, "--iteration", str(iteration), "--format", "universal"], argv)
+
+
+def record_from_source(source_root: str, iteration: int, output_dir: str, model_argv: list) -> str:
+    """The proof of megatron's own one-process load of a torch_dist checkpoint (weights only),
+    written into the converted checkpoint's manifest; returns the line to print."""
+    from megatron_ucp.format.durability import atomic_write_json
+    from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.format.manifest import MANIFEST, read_manifest
+
+    out_dir = iteration_dir(output_dir, iteration)
+    converted = read_manifest(out_dir)
+    _fits(sum(e.file_size or 0 for e in converted.tensors.values()), out_dir)
+    padding = []
+    padded = converted.layout.get("padded_vocab_size")
+    if padded:  # the source's padded vocabulary (padding rows take part in the probe's softmax)
+        padding = ["--make-vocab-size-divisible-by", str(padded)]
+    result = _run(["--source", source_root, "--iteration", str(iteration), "--format", "torch_dist"],
+                  list(model_argv) + padding + ["--cpu", "--mock-data", "--no-load-optim", "--no-load-rng"])
+    if "proof" not in result:
+        return f"resume proof not recorded: {result.get('line')}"
+    manifest = dict(converted.to_json(), proof=result["proof"])
+    atomic_write_json(os.path.join(out_dir, MANIFEST), manifest)
+    return (f"resume proof recorded from megatron's own load of the source: "
+            f"{result['proof']['probe']['tokens']} probe tokens, {len(result['proof']['digests'])} weight digests")
