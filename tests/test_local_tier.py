@@ -139,7 +139,9 @@ def _rewrite_meaning(local: Path, node: str, rank: int, iteration: int = 6) -> N
     items = [(name, region) for name, region, _ in regions]
     arrays = [dict(states) for _, _, states in regions]
     arrays[0]["param"] = arrays[0]["param"] * 1.5
-    local_piece.write_piece(node_dir, iteration, rank, local_piece.encode(items, arrays, meta))
+    sidecar = json.loads(Path(local_piece.sidecar_path(node_dir, iteration, rank)).read_text())
+    slot = {k: v for k, v in sidecar.items() if k not in ("rank", "iteration", "bytes", "crc32")}
+    local_piece.write_piece(node_dir, iteration, rank, local_piece.encode(items, arrays, meta), slot)
 
 
 def test_a_copy_that_fails_its_resume_proof_is_set_aside(crashed, tmp_path):
