@@ -222,17 +222,18 @@ def box_digest(name: str, part: str, part_shape, offset, data: torch.Tensor) -> 
         data = data.reshape(1)
     last = data.dim() - 1
     w_last = pattern(name, part, last, part_shape[last], data.device)[offset[last]:offset[last] + data.shape[last]]
-    w_inner = w_last.to(data.dtype if data.is_floating_point() else torch.float32)
+    wide = data.dtype in (torch.float32, torch.float64)  # bf16/fp16 states: in fp32 (no overflow)
+    w_inner = w_last.to(data.dtype if wide else torch.float32)
     total = scale = 0.0
     rows = max(1, _CHUNK // max(1, data[0].numel()))
     for lo in range(0, data.shape[0], rows):
-        chunk = data[lo:lo + rows]
+        chunk = data[lo:lo + rows] if wide else data[lo:lo + rows].float()
         x = (chunk.reshape(-1, chunk.shape[-1]) @ w_inner).to(torch.float64).reshape(chunk.shape[:-1])
         for dim in reversed(range(last)):
             start = offset[dim] + (lo if dim == 0 else 0)
             x = x @ pattern(name, part, dim, part_shape[dim], data.device)[start:start + x.shape[dim]]
         total += float(x)
-        scale += float(torch.linalg.vector_norm(chunk, 1, dtype=torch.float64))  # |w| <= 1
+        scale += float(torch.linalg.vector_norm(chunk, 1))  # |w| <= 1; in fp32: 8x faster than float64
     return total, scale
 
 
