@@ -190,9 +190,12 @@ def saved(tmp_path_factory):
         dict(train_step("torch_dist", PROOF_BASE + TP2 + DIST, iters=K, save=str(work / "td"), interval=K),
              argv=BASE + PROOF_BASE + TP2 + DIST + ["--train-iters", str(K), "--save", str(work / "td"),
                                                     "--save-interval", str(K), "--ckpt-format", "torch_dist"]),
+        dict(train_step("legacy", PROOF_BASE + TP2, iters=K, save=str(work / "lg"), interval=K),
+             argv=BASE + PROOF_BASE + TP2 + ["--train-iters", str(K), "--save", str(work / "lg"),
+                                             "--save-interval", str(K), "--ckpt-format", "torch"]),
     ]
     results = run_steps(2, steps, work / "runs")
-    for name in ("ref", "other", "bf16", "torch_dist"):
+    for name in ("ref", "other", "bf16", "torch_dist", "legacy"):
         ok(results, name)
     # the streaming converter records the proof of megatron's own one-process load of the source
     from megatron_ucp.convert.to_universal import convert
@@ -204,6 +207,8 @@ def saved(tmp_path_factory):
     faults.write_state(work / "misconverted" / f"iter_{K:07d}", layer.format(0), "param", second)
     faults.write_state(work / "misconverted" / f"iter_{K:07d}", layer.format(1), "param", first)
     results["convert"] = summary
+    # legacy: megatron's load in processes of the source's layout (TP2 here)
+    results["convert_legacy"] = convert(str(work / "lg"), str(work / "lg_converted"), iteration=K, progress=False)
     it = f"iter_{K:07d}"
     for fault in ("swap", "moments", "tensor", "unproved"):
         shutil.copytree(work / "a", work / fault)
@@ -232,7 +237,9 @@ def resumed(saved):
               train_step("unproved", PROOF_BASE + PP2, iters=N, load=str(work / "unproved"), step=K),
               train_step("bf16_dp2_dist", PROOF_BASE + DIST + ["--bf16"], iters=N, load=str(work / "bf16"), step=K),
               train_step("converted_pp2", PROOF_BASE + PP2, iters=K + 1, load=str(work / "converted"), step=K),
-              _load("misconverted", work / "misconverted", PP2)]
+              _load("misconverted", work / "misconverted", PP2),
+              train_step("legacy_converted_pp2", PROOF_BASE + PP2, iters=K + 1, load=str(work / "lg_converted"),
+                         step=K)]
     return run_steps(2, steps, work / "resumes")
 
 
@@ -279,12 +286,14 @@ def test_a_checkpoint_without_a_proof_loads_with_one_line(resumed, saved):
 
 
 def test_a_converted_checkpoint_carries_the_proof_of_its_source(saved, resumed):
-    """The streamed torch_dist conversion records what megatron's own load of the source
-    computes; the converted checkpoint passes it on another layout, and a conversion that mixed
+    """The streamed torch_dist and legacy conversions record what megatron's own load of the
+    source computes; the converted checkpoint passes it on another layout, and a conversion that mixed
     up two layers' weights is refused at its first resume."""
     _, results = saved
     assert results["convert"]["proof"].startswith("resume proof recorded from megatron's own load"), results["convert"]
     assert _proved(ok(resumed, "converted_pp2")) <= proof.TOLERANCE["float32"]
+    assert results["convert_legacy"]["proof"].startswith("resume proof recorded"), results["convert_legacy"]
+    assert _proved(ok(resumed, "legacy_converted_pp2")) <= proof.TOLERANCE["float32"]
     line = _refusals(ok(resumed, "misconverted"))[0]
     assert "decoder.layers.0.mlp.linear_fc1.weight' param" in line and "fails its resume proof" in line
 

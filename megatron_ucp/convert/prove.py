@@ -41,12 +41,12 @@ def _model_argv(saved: dict, manifest, path: str) -> list:
     return carried_argv(saved) + ["--cpu", "--mock-data"]
 
 
-def _run(kind_argv: list, model_argv: list) -> dict:
+def _run(kind_argv: list, model_argv: list, nproc: int = 1) -> dict:
     from megatron_ucp.convert.launch import run_workers
 
     with tempfile.TemporaryDirectory(prefix="ucp-prove-") as tmp:
         out = os.path.join(tmp, "proof.json")
-        code = run_workers(1, "megatron_ucp.train.workers", ["prove", *kind_argv, "--out", out, "--", *model_argv])
+        code = run_workers(nproc, "megatron_ucp.train.workers", ["prove", *kind_argv, "--out", out, "--", *model_argv])
         if not os.path.exists(out):
             raise FormatError(f"the proof's worker failed (exit code {code}) before it could say why")
         with open(out) as f:
@@ -69,9 +69,12 @@ def check(root: str, iteration: int) -> dict:
     return _run(["--source", root, "--iteration", str(iteration), "--format", "universal"], argv)
 
 
-def record_from_source(source_root: str, iteration: int, output_dir: str, model_argv: list) -> str:
-    """The proof of megatron's own one-process load of a torch_dist checkpoint (weights only),
-    written into the converted checkpoint's manifest; returns the line to print."""
+def record_from_source(source_root: str, iteration: int, output_dir: str, model_argv: list, fmt: str = "torch_dist",
+                       nproc: int = 1, tp: int = 1) -> str:
+    """The proof of megatron's own load of the source checkpoint (weights only), written into
+    the converted checkpoint's manifest; returns the line to print. torch_dist: one process
+    (megatron reshards); legacy `torch`: `nproc` processes of the source's layout (its files
+    load only there), whose layout flags `model_argv` carries (`tp`: its TP size)."""
     from megatron_ucp.format.durability import atomic_write_json
     from megatron_ucp.format.folder import iteration_dir
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
@@ -82,12 +85,24 @@ def record_from_source(source_root: str, iteration: int, output_dir: str, model_
     padding = []
     padded = converted.layout.get("padded_vocab_size")
     if padded:  # the source's padded vocabulary (padding rows take part in the probe's softmax)
-        padding = ["--make-vocab-size-divisible-by", str(padded)]
-    result = _run(["--source", source_root, "--iteration", str(iteration), "--format", "torch_dist"],
-                  list(model_argv) + padding + ["--cpu", "--mock-data", "--no-load-optim", "--no-load-rng"])
+        padding = ["--make-vocab-size-divisible-by", str(padded // tp)]
+    result = _run(["--source", source_root, "--iteration", str(iteration), "--format", fmt],
+                  list(model_argv) + padding + ["--cpu", "--mock-data", "--no-load-optim", "--no-load-rng"],
+                  nproc)
     if "proof" not in result:
         return f"resume proof not recorded: {result.get('line')}"
     manifest = dict(converted.to_json(), proof=result["proof"])
     atomic_write_json(os.path.join(out_dir, MANIFEST), manifest)
     return (f"resume proof recorded from megatron's own load of the source: "
             f"{result['proof']['probe']['tokens']} probe tokens, {len(result['proof']['digests'])} weight digests")
+
+
+def layout_argv(layout: dict, num_layers: int) -> list:
+    """The flags of a saved layout (a legacy checkpoint loads only on its own)."""
+    argv = ["--tensor-model-parallel-size", str(layout["tensor_model_parallel_size"]),
+            "--pipeline-model-parallel-size", str(layout["pipeline_model_parallel_size"])]
+    vpp = layout.get("virtual_pipeline_model_parallel_size")
+    if vpp:
+        argv += ["--num-layers-per-virtual-pipeline-stage",
+                 str(num_layers // (vpp * layout["pipeline_model_parallel_size"]))]
+    return argv

@@ -53,8 +53,8 @@ def _refuse_universal(directory: str):
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
             progress=True, via_megatron=False, prove=True) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds, and how the resume proof
-    went). `prove`: record the proof of megatron's own load of a streamed torch_dist source
-    (--via-megatron's save records it from the same load)."""
+    went). `prove`: record the proof of megatron's own load of a streamed torch_dist or legacy
+    source (--via-megatron's save records it from the same load)."""
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
     from megatron_ucp.format.folder import MANIFEST, found_format, iteration_dir
@@ -78,8 +78,11 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
     if is_legacy(iteration_dir(root, it)):
         from megatron_ucp.convert import legacy as legacy_convert
 
-        return legacy_convert.convert(iteration_dir(root, it), output_dir, legacy_overrides(extra_argv),
-                                      workers=workers, progress=progress)
+        summary = legacy_convert.convert(iteration_dir(root, it), output_dir, legacy_overrides(extra_argv),
+                                         workers=workers, progress=progress)
+        if prove:
+            summary["proof"] = _proof_from_legacy(root, it, output_dir, extra_argv)
+        return summary
     if not via_megatron:
         from megatron_ucp.convert import torch_dist as dist_convert
 
@@ -131,6 +134,25 @@ def _proof_from_source(root: str, iteration: int, output_dir: str, extra_argv) -
         return f"resume proof not recorded ({e})"
 
 
+def _proof_from_legacy(root: str, iteration: int, output_dir: str, extra_argv) -> str:
+    """The legacy source loaded by megatron in processes of its own layout (its per-rank files
+    load nowhere else), the arguments as the converted manifest keeps them."""
+    from megatron_ucp.convert import prove
+    from megatron_ucp.convert.export_torch_dist import carried_argv
+    from megatron_ucp.format.folder import iteration_dir
+    from megatron_ucp.format.manifest import read_manifest
+
+    try:
+        m = read_manifest(iteration_dir(output_dir, iteration))
+        layout, args = m.layout, m.args if isinstance(m.args, dict) else {}
+        argv = (carried_argv(args) + list(extra_argv) + prove.layout_argv(layout, m.architecture["num_layers"])
+                + ["--ckpt-format", "torch"])
+        tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
+        return prove.record_from_source(root, iteration, output_dir, argv, "torch", tp * pp, tp)
+    except (ConfigError, FormatError) as e:
+        return f"resume proof not recorded ({e})"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -145,7 +167,7 @@ def main(argv=None) -> int:
                    help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-proof", action="store_true",
-                   help="torch_dist: skip recording the resume proof (megatron's own load of the source in "
+                   help="torch_dist and legacy: skip recording the resume proof (megatron's own load of the source in "
                         "one CPU process, whose losses and weights the first resume compares)")
     a = p.parse_args(own)
     if a.workers < 1:

@@ -9,6 +9,7 @@ the library does not depend on the application.
 """
 
 import argparse
+import os
 import sys
 
 from megatron_ucp.convert.launch import die_with_parent
@@ -54,8 +55,9 @@ def export(root: str, iteration: int, output: str, argv: list) -> None:
 
 
 def prove(source: str, fmt: str, iteration: int, out: str, argv: list) -> None:
-    """In one process: load `source` (universal: its proof is checked by the load; torch_dist:
-    megatron's own load, weights only) and write {"ok", "line"} or {"proof"} as JSON to `out`."""
+    """Load `source` (universal: its proof is checked by the load; torch_dist or legacy torch:
+    megatron's own load, weights only) and write {"ok", "line"} or {"proof"} as JSON to `out`
+    (rank 0; the proof is the same on every rank)."""
     import json
 
     from megatron_ucp.engine import proof
@@ -76,13 +78,16 @@ def prove(source: str, fmt: str, iteration: int, out: str, argv: list) -> None:
                 except proof.ResumeProofError as e:
                     record = {"ok": False, "line": str(e)}
             else:
+                from megatron_ucp.train import legacy
+
                 args.load, args.ckpt_step = source, iteration
-                native.load(args, state, iteration_dir(source, iteration))
+                (native if fmt == "torch_dist" else legacy).load(args, state, iteration_dir(source, iteration))
                 tensors = local_tensors(state.model, None, args.vocab_size)
                 record = {"proof": proof.record(state.model, tensors, False, args.vocab_size)}
     except UCPError as e:
         record = {"ok": False, "line": str(e)}
-    atomic_write_json(out, json.loads(json.dumps(record)))
+    if int(os.environ.get("RANK", "0")) == 0:
+        atomic_write_json(out, json.loads(json.dumps(record)))
 
 
 def main(argv=None) -> int:
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
     v = kinds.add_parser("prove", help="one process: a checkpoint's resume proof (convert/prove.py)")
     v.add_argument("--source", required=True)
     v.add_argument("--iteration", type=int, required=True)
-    v.add_argument("--format", choices=["universal", "torch_dist"], required=True)
+    v.add_argument("--format", choices=["universal", "torch_dist", "torch"], required=True)
     v.add_argument("--out", required=True)
     a = p.parse_args(own)
     from megatron_ucp.engine.collective import close_distributed
