@@ -236,3 +236,15 @@ def test_the_args_object_is_bounded_inside_its_distcp_file(tmp_path):
     started = time.perf_counter()
     _refused(lambda: _convert(folder, tmp_path / "out"), "'args'", "refused before inflating")
     assert time.perf_counter() - started < 5
+
+
+def test_a_flag_after_the_separator_overrides_the_stored_value_it_is_checked_against(tmp_path):
+    """The user's own flags are the user's: a stored num_layers 100000 corrected by
+    `-- --num-layers 2` converts; a wrong flag is named by the model built from it."""
+    folder = fx.write(tmp_path, args=fx.stored_args(num_layers=100000))
+    assert _convert_with(folder, tmp_path / "out", ["--num-layers", "2"])["iteration"] == fx.ITERATION
+    assert inspection.verify(str(tmp_path / "out")) == []
+
+
+def _convert_with(folder, out, extra):
+    return fsdp_dtensor.convert(str(folder), str(out), extra_argv=extra, progress=False)

@@ -98,7 +98,7 @@ def _source(reader: DcpReader, stored: dict, extra_argv, shapes: Dict[str, tuple
     argv = argv_from_args(stored, _model_names()) + _vocab_argv(stored, extra_argv, reader.dir) + list(extra_argv)
     argv += ["--cpu", "--mock-data"]
     source = source_args(argv, world, origin)
-    checked_source(source, shapes, origin)
+    checked_source(source, shapes, origin, extra_argv)
     if source.num_experts and source.moe_grouped_gemm:
         raise FormatError(f"{reader.dir}: grouped-GEMM experts (--moe-grouped-gemm); their fsdp_dtensor keys "
                           "(linear_fc1.weight<E>) are not mapped, the sequential experts' are")

@@ -125,13 +125,16 @@ def stored_world(stored: dict, origin: str) -> int:
 MAX_WORLD = 2**24  # processes of one job, with room to spare
 
 
-def checked_source(source, shapes: dict, origin: str) -> None:
+def checked_source(source, shapes: dict, origin: str, extra_argv=()) -> None:
     """The parsed source arguments agree with the checkpoint's tensors ({key: shape}, from its
     `.metadata`) before a meta model is built from them: a stored num_layers of 100000 beside
-    two layers of tensors is refused in milliseconds, not after minutes and GBs of building."""
+    two layers of tensors is refused in milliseconds, not after minutes and GBs of building.
+    The flags given after '--' (`extra_argv`) are the user's own: the model built from them
+    says where they do not fit."""
     from megatron_ucp.mcore import saved_args
 
-    saved_args.against_tensors(vars(source), shapes, origin)
+    given = given_args(list(extra_argv))
+    saved_args.against_tensors({k: v for k, v in vars(source).items() if k not in given}, shapes, origin)
 
 
 def source_args(argv: list, world: int, origin: str = "the stored arguments"):

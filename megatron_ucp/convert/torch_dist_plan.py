@@ -54,7 +54,7 @@ def _source_args(iter_dir: str, common: dict, extra_argv, nproc, reader: DcpRead
         raise ConfigError(f"{iter_dir}: the checkpoint does not store its world size: pass --nproc")
     typed_stored_args(stored, origin)
     source = source_args(argv_from_args(stored) + list(extra_argv) + ["--cpu"], world, origin)
-    checked_source(source, {k: reader.shape(k) for k in reader.keys() if reader.has_tensor(k)}, origin)
+    checked_source(source, {k: reader.shape(k) for k in reader.keys() if reader.has_tensor(k)}, origin, extra_argv)
     return stored, source, world
 
 
