@@ -15,7 +15,6 @@ import argparse
 import math
 import os
 import signal
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -42,7 +41,9 @@ def within(seconds):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _refused(fn, *words, seconds=10):
+def _refused(fn, *words, seconds=30):
+    """fn() raises one line naming each of `words`, within `seconds` (imports included, on a
+    loaded machine; building the model the hostile arguments describe takes minutes)."""
     with within(seconds), pytest.raises(UCPError) as ei:
         fn()
     message = str(ei.value)
@@ -116,9 +117,7 @@ HUGE_ARGS = {
 def test_fsdp_dtensor_stored_sizes_are_checked_before_the_model_is_built(tmp_path, case):
     changes, says = HUGE_ARGS[case]
     folder = fx.write(tmp_path, args=fx.stored_args(**changes))
-    started = time.perf_counter()
     _refused(lambda: _convert(folder, tmp_path / "out"), str(folder / "args"), says)
-    assert time.perf_counter() - started < 5
     assert not (tmp_path / "out").exists()
 
 
@@ -233,9 +232,7 @@ def test_the_args_object_is_bounded_inside_its_distcp_file(tmp_path):
     """fsdp_dtensor's `args` inside a .distcp: a DEFLATEd pickle of 300 MiB in 0.3 MB (bug 7)."""
     folder = fx.write(tmp_path)
     fx.replace_object(folder, "args", bomb(300 * 2**20))
-    started = time.perf_counter()
     _refused(lambda: _convert(folder, tmp_path / "out"), "'args'", "refused before inflating")
-    assert time.perf_counter() - started < 5
 
 
 def test_a_flag_after_the_separator_overrides_the_stored_value_it_is_checked_against(tmp_path):
@@ -248,3 +245,9 @@ def test_a_flag_after_the_separator_overrides_the_stored_value_it_is_checked_aga
 
 def _convert_with(folder, out, extra):
     return fsdp_dtensor.convert(str(folder), str(out), extra_argv=extra, progress=False)
+
+
+def test_a_common_pt_that_is_not_a_dict_is_named(tmp_path):
+    folder = _torch_dist_folder(tmp_path)
+    torch.save([1, 2], folder / "common.pt")
+    _refused(lambda: torch_dist_plan.plan_conversion(str(folder)), str(folder / "common.pt"), "holds list")

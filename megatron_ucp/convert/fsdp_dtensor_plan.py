@@ -52,9 +52,7 @@ def suffix(state: str) -> str:
 
 
 def _model_names() -> set:
-    """The model and layout arguments (source_model.MODEL_GROUPS: Megatron-LM's other arguments,
-    its dtypes, data and schedule, are its own parser's and only carried into the manifest),
-    less the vocabulary (_vocab_argv's)."""
+    """The model and layout arguments, less the vocabulary (_vocab_argv's)."""
     return model_arg_names() - {"vocab_size"}
 
 

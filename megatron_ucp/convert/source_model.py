@@ -94,6 +94,8 @@ MODEL_GROUPS = ("model", "multi-latent attention", "multi-token prediction", "mi
 
 
 def model_arg_names() -> set:
+    """The arguments of MODEL_GROUPS (the own loop's flags; Megatron-LM's others, its dtypes,
+    data and schedule, are its own parser's and only carried into a manifest)."""
     from megatron_ucp.mcore.flags import build_parser
 
     groups = [g for g in build_parser()._action_groups if g.title in MODEL_GROUPS]
@@ -112,6 +114,9 @@ def typed_stored_args(stored: dict, origin: str) -> None:
     saved_args.typed(present, model_arg_names(), build_parser(), origin)
 
 
+MAX_WORLD = 2**24  # processes of one job, with room to spare
+
+
 def stored_world(stored: dict, origin: str) -> int:
     """The source run's world size from its stored arguments (0: not stored)."""
     world = stored.get("world_size")
@@ -120,9 +125,6 @@ def stored_world(stored: dict, origin: str) -> int:
     if type(world) is not int or not 1 <= world <= MAX_WORLD:
         raise FormatError(f"{origin}: 'args.world_size' is {world!r:.60}, expected an integer 1..{MAX_WORLD}")
     return world
-
-
-MAX_WORLD = 2**24  # processes of one job, with room to spare
 
 
 def checked_source(source, shapes: dict, origin: str, extra_argv=()) -> None:
