@@ -50,7 +50,7 @@ def _refused(fn, *words):
     started = time.perf_counter()
     with within(5), pytest.raises(FormatError) as ei:
         fn()
-    assert time.perf_counter() - started < 1.0, "refused, but not before inflating"
+    assert time.perf_counter() - started < 2.0, "refused, but not before inflating"
     for w in words:
         assert w in str(ei.value), f"{w!r} not in {ei.value}"
     assert "\n" not in str(ei.value)
