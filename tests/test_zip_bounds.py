@@ -146,3 +146,16 @@ def test_stored_tensor_data_counts_only_where_it_is_read_into_memory(tmp_path):
         safe_pickle.torch_load(str(path), "x", max_bytes=1000)
     # a DEFLATEd pickle within the bound loads (zipfile and torch agree on it)
     assert safe_pickle.torch_load(bomb(1000), "x") == "\0" * 1000
+
+
+def test_only_safe_pickle_calls_torch_load():
+    """One road in: any other torch.load of the package would bypass the bounds (and weights_only)."""
+    import ast
+
+    callers = []
+    for path in sorted((REPO / "megatron_ucp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "torch":
+                callers.append(str(path.relative_to(REPO)))
+    assert callers == ["megatron_ucp/convert/safe_pickle.py"]
