@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 from megatron_ucp.convert.buffer_layout import EMBEDDING
 from megatron_ucp.convert.dcp_reader import DcpReader, read_common, unwrap_object
+from megatron_ucp.convert.megatron_args import plain_args
 from megatron_ucp.convert.source_model import (argv_from_args, checked_source, meta_model, single_process_megatron,
                                                source_args, stored_world, typed_stored_args)
 from megatron_ucp.convert.torch_dist_buckets import DIST_PREFIX, check_bucket_layout, map_buckets, object_key
@@ -42,10 +43,7 @@ def _source_args(iter_dir: str, common: dict, extra_argv, nproc, reader: DcpRead
     """The source run's arguments (stored args, overridden by flags), validated for its world,
     typed and checked against the checkpoint's tensors before anything is built from them."""
     origin = os.path.join(iter_dir, "common.pt")
-    stored = common.get("args") or {}
-    if not isinstance(stored, dict):
-        raise FormatError(f"{origin}: 'args' is a {type(stored).__name__}, expected the training arguments")
-    stored = dict(stored)
+    stored = plain_args(common.get("args") or {}, origin)  # a dict or a Namespace, nesting bounded
     if not stored and not extra_argv:
         raise ConfigError(f"{iter_dir}: stores no training arguments; pass the model and layout flags after "
                           "'--' (e.g. --num-layers ... --tensor-model-parallel-size ...)")
