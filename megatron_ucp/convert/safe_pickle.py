@@ -10,10 +10,12 @@ A pickle may call any function it names, so a checkpoint from a stranger could r
   is made of (listed below, found by saving real checkpoints: tests/test_hostile_files.py
   checks the list against a fresh save);
 - `torch.save` files and blobs go through `torch.load(weights_only=True)`, with the few extra
-  classes Megatron-LM's files hold (its `argparse.Namespace` arguments, numpy RNG state);
+  classes Megatron-LM's files hold (its `argparse.Namespace` arguments, numpy RNG state), after
+  format/zip_bounds.py has bounded what their zip entries inflate to (a DEFLATEd pickle of
+  GBs fits in a file of MBs); `torch_load` is the package's only torch.load;
 - megatron's own loader reads through `megatron_reader()` (DCP metadata and objects as above,
   data files only if regular files inside the checkpoint), after `check_torch_file` has
-  vetted the `torch.save` files it loads itself (`common.pt`, `distrib_optim.pt`).
+  vetted the `torch.save` files it loads itself (`common.pt`, `distrib_optim.pt`; bounded too).
 
 Anything else is refused with a FormatError naming the file and the class.
 """
