@@ -251,3 +251,34 @@ def test_a_common_pt_that_is_not_a_dict_is_named(tmp_path):
     folder = _torch_dist_folder(tmp_path)
     torch.save([1, 2], folder / "common.pt")
     _refused(lambda: torch_dist_plan.plan_conversion(str(folder)), str(folder / "common.pt"), "holds list")
+
+
+MODELS = {
+    "dense": [],
+    "moe": ["--num-experts", "4", "--moe-ffn-hidden-size", "16"],
+    "moe_pattern": ["--num-experts", "4", "--moe-layer-freq", "2"],
+    "pipeline_split": ["--pipeline-model-parallel-size", "1", "--num-experts", "2", "--moe-layer-freq", "[0,1,1,0]"],
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_stored_counts_of_megatrons_own_keys(model):
+    """The counts read from the keys megatron itself gives a model: its torch_dist keys and
+    global shapes (sharded_state_dict, stacked or per layer) and its module paths (what
+    fsdp_dtensor stores), for dense, MoE and MoE patterns. (The converters' meta model has no
+    MTP layers; `mtp.layers.<i>.` keys are read in test_stored_counts_read_every_key_style.)"""
+    from megatron_ucp.convert.source_model import meta_model, single_process_megatron, source_args
+    from megatron_ucp.convert.torch_dist_plan import _sharded_by_tensor
+
+    argv = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--vocab-size", "250", "--untie-embeddings-and-output-weights"] + MODELS[model]
+    source = source_args(argv + ["--cpu", "--mock-data"], 1)
+    with single_process_megatron():
+        gpt = meta_model(source, 256)
+        dist_keys = {st.key: tuple(st.global_shape) for sts in _sharded_by_tensor(gpt).values() for st in sts}
+        paths = {path: tuple(p.shape) for path, p in gpt.named_parameters()}
+    want = {"num_layers": 4, "num_experts": source.num_experts}
+    for shapes in (dist_keys, paths):
+        found = saved_args.stored_counts(shapes)
+        assert {k: found[k] for k in want} == want, sorted(shapes)[:8]
+        saved_args.against_tensors(vars(source), shapes, "f")  # its own arguments fit
