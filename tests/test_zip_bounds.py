@@ -159,3 +159,27 @@ def test_only_safe_pickle_calls_torch_load():
                     and node.value.id == "torch":
                 callers.append(str(path.relative_to(REPO)))
     assert callers == ["megatron_ucp/convert/safe_pickle.py"]
+
+
+def test_torch_dists_own_reader_bounds_each_tensor_item(tmp_path):
+    """megatron's loader (`--ckpt-format torch_dist --load`, `--via-megatron`) reads through
+    safe_pickle's reader, whose tensor items torch's FileSystemReader torch.loads itself: an
+    item whose tensor record is DEFLATEd to declare 300 MiB is refused before torch reads it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fsdp_dtensor_fixture import replace_object
+    from zip_bombs import tensor_bomb
+
+    folder = tmp_path / "iter_0000004"
+    dcp.save({"w": torch.zeros(4, dtype=torch.uint8)}, storage_writer=dcp.FileSystemWriter(str(folder)),
+             no_dist=True)
+    replace_object(folder, "w", tensor_bomb(BIG))  # a uint8 tensor of 300 MiB, its record DEFLATEd
+    reader = safe_pickle._reader_class()(str(folder))
+    started = time.perf_counter()
+    with within(5), pytest.raises(CheckpointException) as ei:  # DCP gathers it into one (megatron's loader too)
+        dcp.load({"w": torch.zeros(4, dtype=torch.uint8)}, storage_reader=reader, no_dist=True)
+    assert time.perf_counter() - started < 2.0, "refused, but not before inflating"
+    assert "FormatError" in str(ei.value) and "'w': its zip entries inflate" in str(ei.value), str(ei.value)[-500:]
+    assert f"'archive/data/0' alone to {BIG}" in str(ei.value) and "refused before inflating" in str(ei.value)

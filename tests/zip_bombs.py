@@ -14,7 +14,11 @@ _CHUNK = 2**20
 
 def deflated_pickle(n: int) -> tuple:
     """(raw DEFLATE stream, crc32, size) of a pickle of a str of n NULs."""
-    prefix, suffix = b"\x80\x02X" + struct.pack("<I", n), b"."
+    return deflated(b"\x80\x02X" + struct.pack("<I", n), n, b".")
+
+
+def deflated(prefix: bytes, n: int, suffix: bytes) -> tuple:
+    """(raw DEFLATE stream, crc32, size) of prefix + n NULs + suffix."""
     c = zlib.compressobj(9, zlib.DEFLATED, -15)
     out = [c.compress(prefix) + c.flush(zlib.Z_FULL_FLUSH)]
     block = c.compress(bytes(_CHUNK)) + c.flush(zlib.Z_FULL_FLUSH)  # the same bytes after every full flush
@@ -62,4 +66,23 @@ def bomb(n: int, declared=None, method=zipfile.ZIP_DEFLATED) -> bytes:
             entries.append((name, method, data, crc, size if declared is None else declared))
         else:
             entries.append((name, m, data, crc, size))
+    return zip_bytes(entries)
+
+
+def tensor_bomb(n: int) -> bytes:
+    """A torch.save file of a uint8 tensor of n elements whose record is DEFLATEd: its pickle
+    and its record agree (torch compares them), so torch.load would allocate and inflate n bytes.
+    The pickle is torch's own for 10 elements, its two 10s (storage and size) made n."""
+    import torch
+
+    entries = []
+    for name, method, data, crc, size in torch_entries(torch.zeros(10, dtype=torch.uint8)):
+        if name.endswith("/data.pkl"):
+            assert data.count(b"K\n") == 2
+            data = data.replace(b"K\n", b"J" + struct.pack("<i", n))
+            crc, size = zlib.crc32(data), len(data)
+        elif name.endswith("/data/0"):
+            data, crc, size = deflated(b"", n, b"")
+            method = zipfile.ZIP_DEFLATED
+        entries.append((name, method, data, crc, size))
     return zip_bytes(entries)

@@ -234,9 +234,33 @@ def _reader_class():
             return self._cached_metadata
 
         def read_data(self, plan, planner):
+            self._check_items(plan)
             if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
                 planner = _SafeBytes(planner, os.fspath(self.path))
             return super().read_data(plan, planner)
+
+        def _check_items(self, plan):
+            """torch's reader torch.loads each tensor item itself: every item's blob bounded
+            first (zip_bounds: what it inflates to; its stored bytes are the file's own), inside
+            its file, and none through a transform (a decompressing extension) either."""
+            per_file = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                where = f"{os.fspath(self.path)}: {item.storage_index.fqn!r}"
+                if info.transform_descriptors:
+                    raise FormatError(f"{where} is stored with transforms {info.transform_descriptors}; not read")
+                per_file.setdefault(info.relative_path, []).append((info, where))
+            for relative_path, infos in per_file.items():
+                path = self.fs.concat_path(self.path, relative_path)
+                with self.fs.create_stream(path, "rb") as stream:
+                    size = os.fstat(stream.fileno()).st_size
+                    for info, where in infos:
+                        if not (isinstance(info.offset, int) and isinstance(info.length, int)
+                                and 0 <= info.offset and 0 <= info.length <= size - info.offset):
+                            raise FormatError(f"{where} is recorded at bytes {info.offset}+{info.length} of "
+                                              f"{path}, beyond its {size}")
+                        zip_bounds.check_zip(zip_bounds.Window(stream, info.offset, info.length), where,
+                                             count_stored_data=False)
 
     return SafeFileSystemReader
 

@@ -114,6 +114,39 @@ def check_zip(f, where: str, max_bytes: int = MAX_LOADED_BYTES, count_stored_dat
             _inflates_as_declared(archive, i, where)
 
 
+class Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of a seekable binary file, read as a file of their own
+    (a torch DCP item inside its `.distcp` file)."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        if not n:
+            return 0
+        self._f.seek(self._start + self._pos)
+        data = self._f.read(n)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
 def check(source, where: str, max_bytes: int = MAX_LOADED_BYTES, count_stored_data: bool = True) -> None:
     """check_zip of a path or of bytes; a file in torch's older (not zip) format is bounded by its
     size, which its unpickling reads as it is."""
