@@ -16,6 +16,7 @@ from megatron_ucp.convert.export_torch_dist import plan
 from megatron_ucp.engine import ownership
 from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import manifest as mf
+from test_inspect import ARCHITECTURE
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v1_moe"
 
@@ -32,9 +33,10 @@ def _state(folder: Path) -> dict:
 
 
 def _head(iteration: int) -> mf.Manifest:
+    """A head the reader takes (the writer refuses to write any other: manifest.check_written)."""
     layout = mf.Layout(1, 1, None, None, 1, 1, False)
-    return mf.head(iteration=iteration, consumed_samples=0, architecture={}, layout=layout, optimizer=None,
-                   scheduler=None, args={}, rng_saved=False)
+    return mf.head(iteration=iteration, consumed_samples=0, architecture=dict(ARCHITECTURE), layout=layout,
+                   optimizer=None, scheduler=None, args={}, rng_saved=False)
 
 
 def _write(output: Path, iteration: int) -> dict:

@@ -144,7 +144,10 @@ def read_common(iter_dir: str) -> dict:
 
     path = os.path.join(iter_dir, "common.pt")
     if os.path.lexists(path):
-        return load_file(path, "torch_dist common state")
+        common = load_file(path, "torch_dist common state")
+        if not isinstance(common, dict):
+            raise FormatError(f"{path}: holds {type(common).__name__}, expected a dict (the common state)")
+        return common
     if not os.path.lexists(os.path.join(iter_dir, ".metadata")):
         raise IncompleteCheckpointError(f"{path}: missing (and no .metadata that could hold the common state); "
                                         f"is {iter_dir} a torch_dist checkpoint?")

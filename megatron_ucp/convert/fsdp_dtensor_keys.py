@@ -78,6 +78,21 @@ def _same_shape(key: str, stored: tuple, wanted: tuple, where: str) -> None:
                           f"arguments has {list(wanted)}")
 
 
+MAX_STEP = 2**62
+
+
+def step_count(value, where: str) -> int:
+    """An optimizer step as saved (an int, an integral float, a one-element tensor), as an int
+    0..MAX_STEP; anything else (text, NaN, infinity, a fraction, negative) is refused."""
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_STEP:
+        raise FormatError(f"{where} is {value!r:.60}, expected an integer step 0..{MAX_STEP}")
+    return value
+
+
 def param_groups(metas: Dict[str, dict], where: str):
     """(Adam's step, param groups) from each parameter's group settings, in model order: one
     group per distinct setting set, in order of first appearance (megatron builds its groups
@@ -86,7 +101,7 @@ def param_groups(metas: Dict[str, dict], where: str):
     for path, meta in metas.items():
         if "step" not in meta:
             raise FormatError(f"{where}: the group settings of {path} have no 'step' (fields {sorted(meta)})")
-        steps.add(int(float(meta["step"])))
+        steps.add(step_count(meta["step"], f"{where}: {GROUP_META}{path}.step"))
         settings = {k: v for k, v in meta.items() if k not in ("step", "params")}
         if settings not in groups:
             groups.append(settings)

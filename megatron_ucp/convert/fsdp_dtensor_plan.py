@@ -24,18 +24,17 @@ from typing import Dict
 from megatron_ucp.convert import fsdp_dtensor_keys as keys
 from megatron_ucp.convert.dcp_reader import DcpReader, unwrap_object
 from megatron_ucp.convert.megatron_args import STAND_INS, plain_args
-from megatron_ucp.convert.source_model import argv_from_args, meta_model, single_process_megatron, source_args
+from megatron_ucp.convert.source_model import (argv_from_args, checked_source, meta_model, model_arg_names,
+                                               single_process_megatron, source_args, stored_world,
+                                               typed_stored_args)
 from megatron_ucp.convert.torch_dist_sources import Atomic, Box
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.format import manifest as mf
 from megatron_ucp.format.layout import infer_rule
 from megatron_ucp.format.tensor_entry import STATES
 from megatron_ucp.mcore.optimizer_state import plain_groups
+from megatron_ucp.mcore.saved_args import MAX_INT
 
-# The argument groups of mcore/flags.py that describe the model and its layout: what the meta
-# model is built from. Megatron-LM's other arguments (its dtypes, data, schedule) are its own
-# parser's and are only carried into the manifest.
-MODEL_GROUPS = ("model", "multi-latent attention", "multi-token prediction", "mixture of experts", "parallelism")
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -54,10 +53,7 @@ def suffix(state: str) -> str:
 
 def _model_names() -> set:
     """The model and layout arguments, less the vocabulary (_vocab_argv's)."""
-    from megatron_ucp.mcore.flags import build_parser
-
-    groups = [g for g in build_parser()._action_groups if g.title in MODEL_GROUPS]
-    return {a.dest for g in groups for a in g._group_actions} - {"vocab_size"}
+    return model_arg_names() - {"vocab_size"}
 
 
 def _vocab_argv(stored: dict, extra_argv, where: str) -> list:
@@ -81,8 +77,10 @@ def _stored_args(reader: DcpReader) -> dict:
     return plain_args(unwrap_object(reader.read_object("args", STAND_INS)), f"{reader.dir}: 'args'")
 
 
-def _source(reader: DcpReader, stored: dict, extra_argv):
-    """The source run's model and layout arguments (stored, overridden by flags after '--')."""
+def _source(reader: DcpReader, stored: dict, extra_argv, shapes: Dict[str, tuple]):
+    """The source run's model and layout arguments (stored, overridden by flags after '--'),
+    typed and checked against the checkpoint's tensors (`shapes`, less the model root)."""
+    origin = os.path.join(reader.dir, "args")
     if not stored and not extra_argv:
         raise ConfigError(f"{reader.dir}: stores no training arguments; pass the model and layout flags "
                           "after '--' (e.g. --num-layers ... --tensor-model-parallel-size ...)")
@@ -90,13 +88,15 @@ def _source(reader: DcpReader, stored: dict, extra_argv):
         raise FormatError(f"{reader.dir}: saved with --transformer-impl {stored['transformer_impl']}; only the "
                           "local layer spec's module paths are mapped (transformer-engine's fused layers name "
                           "their parameters differently)")
-    world = int(stored.get("world_size") or 0)
+    world = stored_world(stored, origin)
     if world < 1:
         raise ConfigError(f"{reader.dir}: the stored arguments have no world_size")
+    typed_stored_args(stored, origin)
     # --mock-data: the converter reads no data, the validation wants a source of it.
     argv = argv_from_args(stored, _model_names()) + _vocab_argv(stored, extra_argv, reader.dir) + list(extra_argv)
     argv += ["--cpu", "--mock-data"]
-    source = source_args(argv, world, os.path.join(reader.dir, "args"))
+    source = source_args(argv, world, origin)
+    checked_source(source, shapes, origin, extra_argv)
     if source.num_experts and source.moe_grouped_gemm:
         raise FormatError(f"{reader.dir}: grouped-GEMM experts (--moe-grouped-gemm); their fsdp_dtensor keys "
                           "(linear_fc1.weight<E>) are not mapped, the sequential experts' are")
@@ -181,13 +181,13 @@ def plan_conversion(iter_dir: str, extra_argv=()) -> Plan:
     reader = DcpReader(iter_dir)
     try:
         stored = _stored_args(reader)
-        source, world = _source(reader, stored, extra_argv)
         model_root = keys.wrapped_root(reader.keys(), keys.MODEL, reader.dir)
         state_root = keys.wrapped_root(reader.keys(), keys.STATE, reader.dir)
         if model_root is None or state_root is None:
             raise FormatError(f"{reader.dir}: no {keys.MODEL}* or {keys.STATE}* tensors; an fsdp_dtensor checkpoint "
                               "with its optimizer state expected (a model-only one cannot resume training)")
         stored_shapes = _shapes(reader, model_root)
+        source, world = _source(reader, stored, extra_argv, stored_shapes)
         padded = stored_shapes.get(EMBEDDING, (source.padded_vocab_size,))[0]
         if padded < source.vocab_size:
             raise LayoutError(f"{reader.dir}: {model_root}{EMBEDDING} has {padded} rows, fewer than the "
@@ -221,27 +221,40 @@ def _head(reader, iter_dir, stored, source, world, padded, architecture, step, g
     """The manifest without its tensors: iteration, samples, scheduler, progress, layout."""
     iteration = unwrap_object(reader.read_object("iteration")) if "iteration" in reader.keys() else None
     named = os.path.basename(os.path.normpath(iter_dir))
-    if not isinstance(iteration, int) or not named.endswith(f"{iteration:07d}"):
-        raise FormatError(f"{reader.dir}: 'iteration' is {iteration!r}, the folder is {named}")
+    if type(iteration) is not int or iteration < 0 or not named.endswith(f"{iteration:07d}"):
+        raise FormatError(f"{reader.dir}: 'iteration' is {iteration!r:.60}, the folder is {named}")
     if "consumed_train_samples" not in stored:
         raise ConfigError(f"{reader.dir}: the stored arguments have no consumed_train_samples")
+    origin = os.path.join(reader.dir, "args")
     scheduler = _objects(reader, keys.SCHEDULER) or None
     flops = unwrap_object(reader.read_object("num_floating_point_operations_so_far")) \
         if "num_floating_point_operations_so_far" in reader.keys() else 0
     progress = {"num_floating_point_operations_so_far": flops,
-                "skipped_train_samples": int(stored.get("skipped_train_samples") or 0),
-                "consumed_valid_samples": int(stored.get("consumed_valid_samples") or 0)}
+                "skipped_train_samples": _stored_int(stored, "skipped_train_samples", 0, origin),
+                "consumed_valid_samples": _stored_int(stored, "consumed_valid_samples", 0, origin)}
     layout = mf.Layout(
         world_size=None, tensor_model_parallel_size=source.tensor_model_parallel_size,
         pipeline_model_parallel_size=source.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=source.virtual_pipeline_model_parallel_size,
-        data_parallel_size=stored.get("data_parallel_size") or world // source.tensor_model_parallel_size,
-        context_parallel_size=int(stored.get("context_parallel_size") or 1),
+        data_parallel_size=(_stored_int(stored, "data_parallel_size", 1, origin)
+                            if stored.get("data_parallel_size") is not None
+                            else world // source.tensor_model_parallel_size),
+        context_parallel_size=_stored_int(stored, "context_parallel_size", 1, origin),
         expert_model_parallel_size=source.expert_model_parallel_size,
         expert_tensor_parallel_size=source.expert_tensor_parallel_size or source.tensor_model_parallel_size,
         use_distributed_optimizer=True, padded_vocab_size=padded)  # Megatron-FSDP shards the optimizer
-    return mf.head(iteration=iteration, consumed_samples=int(stored["consumed_train_samples"]),
+    return mf.head(iteration=iteration, consumed_samples=_stored_int(stored, "consumed_train_samples", 0, origin),
                    architecture=architecture, layout=layout,
                    optimizer={"type": "adam", "step": step, "param_groups": plain_groups(groups)},
                    scheduler=scheduler, args=stored, rng_saved=False, progress=progress,
                    source={"fsdp_dtensor": os.path.abspath(iter_dir)})
+
+
+def _stored_int(stored: dict, key: str, least: int, origin: str) -> int:
+    """A count of the stored arguments (null: `least`, the count of nothing), an integer >= least."""
+    value = stored.get(key)
+    if value is None:
+        return least
+    if type(value) is not int or not least <= value <= MAX_INT:
+        raise FormatError(f"{origin}: 'args.{key}' is {value!r:.60}, expected an integer {least}..{MAX_INT}")
+    return value

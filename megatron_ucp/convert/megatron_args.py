@@ -40,21 +40,31 @@ def _stand_in(qualified: str):
 STAND_INS = [(_stand_in(name), name) for name in ENUM_NAMES]
 
 
-def plain(value):
+MAX_DEPTH = 16  # Megatron-LM's arguments hold flat lists (data paths, a layer pattern)
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def plain(value, depth: int = 0):
     """A stored argument as JSON-able data: dtypes and stand-ins as their text."""
+    if depth > MAX_DEPTH:
+        raise _TooDeep()
     if isinstance(value, EnumValue):
         return value.text()
     if isinstance(value, enum.Enum):  # megatron's own class, where torch's allowlist let it through
         return f"<{type(value).__name__} {value.value!r}>"
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [plain(v, depth + 1) for v in value]
     if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {str(k): plain(v, depth + 1) for k, v in value.items()}
     return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
 def plain_args(stored, where: str) -> dict:
-    """The arguments a checkpoint stores (a Namespace, or a dict) as a plain dict."""
+    """The arguments a checkpoint stores (a Namespace, or a dict) as a plain dict; a value
+    nested deeper than MAX_DEPTH is refused (a stranger's pickle can nest a list 10**5 deep)."""
     from megatron_ucp.errors import FormatError
 
     if isinstance(stored, argparse.Namespace):
@@ -62,4 +72,11 @@ def plain_args(stored, where: str) -> dict:
     if not isinstance(stored, dict):
         raise FormatError(f"{where}: holds {type(stored).__name__}, expected the training arguments "
                           "(an argparse Namespace)")
-    return {str(k): plain(v) for k, v in stored.items()}
+    out = {}
+    for k, v in stored.items():
+        try:
+            out[str(k)] = plain(v)
+        except _TooDeep:
+            raise FormatError(f"{where}: 'args.{k}' nests deeper than {MAX_DEPTH} levels; expected a "
+                              "plain value or a flat list") from None
+    return out

@@ -10,10 +10,12 @@ A pickle may call any function it names, so a checkpoint from a stranger could r
   is made of (listed below, found by saving real checkpoints: tests/test_hostile_files.py
   checks the list against a fresh save);
 - `torch.save` files and blobs go through `torch.load(weights_only=True)`, with the few extra
-  classes Megatron-LM's files hold (its `argparse.Namespace` arguments, numpy RNG state);
+  classes Megatron-LM's files hold (its `argparse.Namespace` arguments, numpy RNG state), after
+  format/zip_bounds.py has bounded what their zip entries inflate to (a DEFLATEd pickle of
+  GBs fits in a file of MBs); `torch_load` is the package's only torch.load;
 - megatron's own loader reads through `megatron_reader()` (DCP metadata and objects as above,
   data files only if regular files inside the checkpoint), after `check_torch_file` has
-  vetted the `torch.save` files it loads itself (`common.pt`, `distrib_optim.pt`).
+  vetted the `torch.save` files it loads itself (`common.pt`, `distrib_optim.pt`; bounded too).
 
 Anything else is refused with a FormatError naming the file and the class.
 """
@@ -26,7 +28,7 @@ import pickle
 import re
 
 from megatron_ucp.errors import FormatError
-from megatron_ucp.format import safe_files
+from megatron_ucp.format import safe_files, zip_bounds
 
 # What torch DCP's `.metadata` pickle names (torch 2.13; megatron-core 0.16 adds no class of its own).
 # Calling any of them builds plain data; none runs a command or opens a file.
@@ -113,14 +115,21 @@ def _refused_class(message: str) -> str:
     return found.group(1) if found else ""
 
 
-def torch_load(source, where, mmap: bool = False, stand_ins=()):
+def torch_load(source, where, mmap: bool = False, stand_ins=(), max_bytes: int = zip_bounds.MAX_LOADED_BYTES,
+               tensor_data_on_disk: bool = False):
     """torch.load(weights_only=True) of a file path or bytes, with torch_load_classes() allowed;
     a refused class or damaged bytes -> FormatError naming `where` (and the class).
     `stand_ins`: (our class, "module.Name") pairs: a pickle naming `module.Name` gets our class
-    (inert data holders for another program's records), never the named one."""
+    (inert data holders for another program's records), never the named one.
+    What it may inflate is bounded first (zip_bounds: `max_bytes`, the entry count): tensor
+    records stored as they are count only when read from a path without `mmap` (bytes in
+    memory or a mapping cost nothing more) and not `tensor_data_on_disk` (a checkpoint's own
+    tensors, as large as its file)."""
     import torch
 
-    if isinstance(source, (bytes, bytearray, memoryview)):
+    in_memory = isinstance(source, (bytes, bytearray, memoryview))
+    zip_bounds.check(source, where, max_bytes, count_stored_data=not (in_memory or mmap or tensor_data_on_disk))
+    if in_memory:
         source = io.BytesIO(source)
     try:
         with torch.serialization.safe_globals(torch_load_classes() + list(stand_ins)):
@@ -131,20 +140,23 @@ def torch_load(source, where, mmap: bool = False, stand_ins=()):
         raise FormatError(f"{where}: {what}") from None
 
 
-def load_file(path: str, what: str, root=None, mmap: bool = False, stand_ins=()):
+def load_file(path: str, what: str, root=None, mmap: bool = False, stand_ins=(), tensor_data_on_disk: bool = False):
     """torch_load of a regular file inside `root` (its folder by default)."""
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
     os.close(safe_files.open_regular(path, what, root))
-    return torch_load(path, f"{what} {path}", mmap=mmap, stand_ins=stand_ins)
+    return torch_load(path, f"{what} {path}", mmap=mmap, stand_ins=stand_ins, tensor_data_on_disk=tensor_data_on_disk)
 
 
-def check_torch_file(path: str, what: str, root=None) -> None:
+def check_torch_file(path: str, what: str, root=None, tensor_data_on_disk: bool = False) -> None:
     """Vet a torch.save file that megatron loads itself: a regular file inside `root` whose
-    pickle names only classes torch_load allows (reads the pickle, not the tensor data)."""
+    pickle names only classes torch_load allows (reads the pickle, not the tensor data), and
+    whose loading inflates no more than torch_load allows (`tensor_data_on_disk`: its stored
+    tensor records are the checkpoint's own data, as large as the file, and not counted)."""
     import torch
 
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
     os.close(safe_files.open_regular(path, what, root))
+    zip_bounds.check(path, f"{what} {path}", count_stored_data=not tensor_data_on_disk)
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:  # noqa: BLE001 -- not a torch.save zip file
@@ -222,9 +234,33 @@ def _reader_class():
             return self._cached_metadata
 
         def read_data(self, plan, planner):
+            self._check_items(plan)
             if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
                 planner = _SafeBytes(planner, os.fspath(self.path))
             return super().read_data(plan, planner)
+
+        def _check_items(self, plan):
+            """torch's reader torch.loads each tensor item itself: every item's blob bounded
+            first (zip_bounds: what it inflates to; its stored bytes are the file's own), inside
+            its file, and none through a transform (a decompressing extension) either."""
+            per_file = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                where = f"{os.fspath(self.path)}: {item.storage_index.fqn!r}"
+                if info.transform_descriptors:
+                    raise FormatError(f"{where} is stored with transforms {info.transform_descriptors}; not read")
+                per_file.setdefault(info.relative_path, []).append((info, where))
+            for relative_path, infos in per_file.items():
+                path = self.fs.concat_path(self.path, relative_path)
+                with self.fs.create_stream(path, "rb") as stream:
+                    size = os.fstat(stream.fileno()).st_size
+                    for info, where in infos:
+                        if not (isinstance(info.offset, int) and isinstance(info.length, int)
+                                and 0 <= info.offset and 0 <= info.length <= size - info.offset):
+                            raise FormatError(f"{where} is recorded at bytes {info.offset}+{info.length} of "
+                                              f"{path}, beyond its {size}")
+                        zip_bounds.check_zip(zip_bounds.Window(stream, info.offset, info.length), where,
+                                             count_stored_data=False)
 
     return SafeFileSystemReader
 

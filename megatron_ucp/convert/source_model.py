@@ -88,6 +88,57 @@ def _given(parser, argv: list) -> dict:
     return vars(parser.parse_args(argv))
 
 
+# The argument groups of mcore/flags.py that describe the model and its layout: what a meta
+# model is built from.
+MODEL_GROUPS = ("model", "multi-latent attention", "multi-token prediction", "mixture of experts", "parallelism")
+
+
+def model_arg_names() -> set:
+    """The arguments of MODEL_GROUPS (the own loop's flags; Megatron-LM's others, its dtypes,
+    data and schedule, are its own parser's and only carried into a manifest)."""
+    from megatron_ucp.mcore.flags import build_parser
+
+    groups = [g for g in build_parser()._action_groups if g.title in MODEL_GROUPS]
+    return {a.dest for g in groups for a in g._group_actions}
+
+
+def typed_stored_args(stored: dict, origin: str) -> None:
+    """The stored model arguments have the types and ranges their flags parse to, before any is
+    turned into a flag (argparse would take "2" or 2.0 for an int, nan for a float) or sizes
+    anything (mcore/saved_args.py, as --use-checkpoint-args takes them). A null is left to the
+    flag's default, as argv_from_args does."""
+    from megatron_ucp.mcore import saved_args
+    from megatron_ucp.mcore.flags import build_parser
+
+    present = {k: v for k, v in _own_loop_names(stored).items() if v is not None}
+    saved_args.typed(present, model_arg_names(), build_parser(), origin)
+
+
+MAX_WORLD = 2**24  # processes of one job, with room to spare
+
+
+def stored_world(stored: dict, origin: str) -> int:
+    """The source run's world size from its stored arguments (0: not stored)."""
+    world = stored.get("world_size")
+    if world is None:
+        return 0
+    if type(world) is not int or not 1 <= world <= MAX_WORLD:
+        raise FormatError(f"{origin}: 'args.world_size' is {world!r:.60}, expected an integer 1..{MAX_WORLD}")
+    return world
+
+
+def checked_source(source, shapes: dict, origin: str, extra_argv=()) -> None:
+    """The parsed source arguments agree with the checkpoint's tensors ({key: shape}, from its
+    `.metadata`) before a meta model is built from them: a stored num_layers of 100000 beside
+    two layers of tensors is refused in milliseconds, not after minutes and GBs of building.
+    The flags given after '--' (`extra_argv`) are the user's own: the model built from them
+    says where they do not fit."""
+    from megatron_ucp.mcore import saved_args
+
+    given = given_args(list(extra_argv))
+    saved_args.against_tensors({k: v for k, v in vars(source).items() if k not in given}, shapes, origin)
+
+
 def source_args(argv: list, world: int, origin: str = "the stored arguments"):
     """The namespace `argv` gives pretrain_gpt_ucp.py, validated for a world of `world` processes.
     A value it cannot read is one line naming `origin` (the file the arguments came from), not

@@ -18,7 +18,9 @@ from typing import Dict, List, Optional
 
 from megatron_ucp.convert.buffer_layout import EMBEDDING
 from megatron_ucp.convert.dcp_reader import DcpReader, read_common, unwrap_object
-from megatron_ucp.convert.source_model import argv_from_args, meta_model, single_process_megatron, source_args
+from megatron_ucp.convert.megatron_args import plain_args
+from megatron_ucp.convert.source_model import (argv_from_args, checked_source, meta_model, single_process_megatron,
+                                               source_args, stored_world, typed_stored_args)
 from megatron_ucp.convert.torch_dist_buckets import DIST_PREFIX, check_bucket_layout, map_buckets, object_key
 from megatron_ucp.convert.torch_dist_sources import Atomic, Box
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
@@ -37,17 +39,20 @@ class Plan:
     rng: Dict[int, dict]
 
 
-def _source_args(iter_dir: str, common: dict, extra_argv, nproc):
-    """The source run's arguments (stored args, overridden by flags), validated for its world."""
-    stored = dict(common.get("args") or {})
+def _source_args(iter_dir: str, common: dict, extra_argv, nproc, reader: DcpReader):
+    """The source run's arguments (stored args, overridden by flags), validated for its world,
+    typed and checked against the checkpoint's tensors before anything is built from them."""
+    origin = os.path.join(iter_dir, "common.pt")
+    stored = plain_args(common.get("args") or {}, origin)  # a dict or a Namespace, nesting bounded
     if not stored and not extra_argv:
         raise ConfigError(f"{iter_dir}: stores no training arguments; pass the model and layout flags after "
                           "'--' (e.g. --num-layers ... --tensor-model-parallel-size ...)")
-    world = nproc or int(stored.get("world_size") or 0)
+    world = nproc or stored_world(stored, origin)
     if world < 1:
         raise ConfigError(f"{iter_dir}: the checkpoint does not store its world size: pass --nproc")
-    source = source_args(argv_from_args(stored) + list(extra_argv) + ["--cpu"], world,
-                         os.path.join(iter_dir, "common.pt"))
+    typed_stored_args(stored, origin)
+    source = source_args(argv_from_args(stored) + list(extra_argv) + ["--cpu"], world, origin)
+    checked_source(source, {k: reader.shape(k) for k in reader.keys() if reader.has_tensor(k)}, origin, extra_argv)
     return stored, source, world
 
 
@@ -144,7 +149,7 @@ def plan_conversion(iter_dir: str, extra_argv=(), nproc=None, common: Optional[d
     if common is None:
         common = read_common(iter_dir)
     reader = DcpReader(iter_dir)
-    stored, source, world = _source_args(iter_dir, common, extra_argv, nproc)
+    stored, source, world = _source_args(iter_dir, common, extra_argv, nproc, reader)
     sharding = _sharding(common, reader)
     padded = reader.shape(EMBEDDING)[0] if reader.has_tensor(EMBEDDING) else source.padded_vocab_size
     if padded < source.vocab_size:

@@ -106,6 +106,7 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEnt
     final = iteration_dir(output_dir, iteration)
     if os.path.exists(final):
         raise ConfigError(f"{final} exists already; choose another --output")
+    mf.check_written(head, final)  # before any file: a value the reader would refuse is never written
     with output_folder.owned(output_dir, iteration, "universal"):
         entries = _write_all(output_dir, iteration, metas, opener, head, rng, workers, progress)
     seconds = time.perf_counter() - start

@@ -230,6 +230,17 @@ def check_progress(record, path: str) -> None:
             _need(ok(record[key]), path, f"progress: {key!r} is {record[key]!r}, expected {expected}")
 
 
+# The hyper-parameters of a param group a loader hands to the optimizer, when a group has them:
+# the ranges torch's Adam accepts (lr, eps, weight_decay >= 0; 0 <= beta < 1), megatron's
+# multipliers and scheduler bounds alike.
+_RATE = (_optional(lambda v: _is_number(v) and v >= 0), "null or a finite number >= 0")
+PARAM_GROUP = {
+    **{k: _RATE for k in ("lr", "max_lr", "min_lr", "eps", "weight_decay", "wd_mult", "lr_mult")},
+    "betas": (lambda v: isinstance(v, list) and len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1)"),
+}
+
+
 def check_optimizer(record, path: str) -> None:
     """The optimizer record save writes: Adam, its global step, its param groups' settings."""
     _need(isinstance(record, dict), path, f"'optimizer' is {type(record).__name__}, expected an object or null")
@@ -238,6 +249,10 @@ def check_optimizer(record, path: str) -> None:
     groups = record.get("param_groups")
     _need(isinstance(groups, list) and all(isinstance(g, dict) for g in groups), path,
           f"'optimizer.param_groups' is {groups!r:.80}, expected a list of objects")
+    for i, group in enumerate(groups):
+        for key, (ok, expected) in PARAM_GROUP.items():
+            _need(key not in group or ok(group[key]), path,
+                  f"'optimizer.param_groups[{i}].{key}' is {group.get(key)!r:.60}, expected {expected}")
     if record.get("grad_scaler") is not None:
         _check_block(record["grad_scaler"] if isinstance(record["grad_scaler"], dict) else {},
                      GRAD_SCALER, path, "optimizer.grad_scaler")
@@ -392,6 +407,43 @@ def check_proof(record, path: str) -> None:
         _need("|" in key and isinstance(value, list) and len(value) == 2
               and all(v is None or _is_number(v) for v in value), path,
               f"'proof.digests' holds {key!r:.60}: {value!r:.60}, expected [a number, a number]")
+
+
+MAX_JSON_DEPTH = 64  # the manifest's own blocks nest 4 deep; arguments hold a list or two
+
+
+def json_problem(obj, where: str = "") -> Optional[str]:
+    """Why `obj` is not strict JSON a reader takes (a NaN or infinity, a non-string key, a value
+    JSON has no type for, nesting past MAX_JSON_DEPTH), naming the first such key; else None."""
+    todo = [(obj, where, 0)]
+    while todo:
+        value, key, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"{key!r:.80} nests deeper than {MAX_JSON_DEPTH} levels"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key!r:.80} is {value}, expected a finite number (JSON has no NaN or infinity)"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    return f"{key!r:.80} has the key {k!r:.40}, expected a string"
+                todo.append((v, f"{key}.{k}" if key else k, depth + 1))
+        elif isinstance(value, (list, tuple)):
+            todo.extend((v, f"{key}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif not (value is None or isinstance(value, (str, int, float))):
+            return f"{key!r:.80} is a {type(value).__name__}, expected a JSON value"
+    return None
+
+
+def check_written(head: "Manifest", directory: str) -> None:
+    """What a writer is about to commit as `directory`'s manifest passes what read_manifest (and
+    so `inspect --verify`) checks, tensors aside: nothing invalid is written."""
+    import copy
+
+    path = os.path.join(directory, MANIFEST)
+    m = head.to_json()
+    problem = json_problem(m)
+    _need(problem is None, path, f"would be written with {problem}")
+    _check_meaning(copy.deepcopy(m), path, directory)
 
 
 def jsonable(obj):

@@ -113,6 +113,68 @@ def architecture_problems(architecture: dict, tensors: dict) -> list:
     return problems
 
 
+# Megatron's checkpoint keys and module paths, as the converters' sources store them: a layer
+# per key (`decoder.layers.<i>.`: fsdp_dtensor's module paths, torch_dist with a MoE pattern) or
+# stacked along a first axis of num_layers (torch_dist's `decoder.layers.<name>`); experts per
+# key (`local_experts.<e>.`, torch_dist's singleton shards `experts.experts.<e>.`) or stacked
+# along the axis after the layers' (`experts.experts.linear_fc1.weight`, SequentialMLP and TE's
+# grouped GEMM alike).
+_STACKED_LAYERS = re.compile(r"^decoder\.layers\.(?!\d+\.)")
+_PER_EXPERT = re.compile(r"\.experts\.(?:local_experts|experts)\.(\d+)\.")
+_STACKED_EXPERTS = re.compile(r"\.experts\.experts\.linear_fc[12]\.")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def stored_counts(shapes: dict) -> dict:
+    """The layers, experts per layer and MTP layers a checkpoint's tensors ({key: shape}) hold;
+    None where its keys show none. Pure: from the keys and shapes only."""
+    (layers, experts), mtp = _layer_and_experts(shapes), set()
+    stacked_layers = stacked_experts = 0
+    for key, shape in shapes.items():
+        stacked = bool(_STACKED_LAYERS.match(key))
+        if stacked and shape:
+            stacked_layers = max(stacked_layers, int(shape[0]))
+        if _STACKED_EXPERTS.search(key) and len(shape) > int(stacked):
+            stacked_experts = max(stacked_experts, int(shape[int(stacked)]))
+        m = _PER_EXPERT.search(key)
+        if m:
+            experts.add(int(m.group(1)))
+        m = _MTP.match(key)
+        if m:
+            mtp.add(int(m.group(1)))
+    return {"num_layers": max(len(layers), stacked_layers) or None,
+            "num_experts": max(len(experts), stacked_experts) or None,
+            "mtp_num_layers": len(mtp) or None,
+            "any_experts": any(".experts." in k for k in shapes)}
+
+
+def against_tensors(values: dict, shapes: dict, path: str) -> None:
+    """The model arguments a converter builds from (`values`: stored, with the command line's
+    flags over them) agree with the checkpoint's tensors ({key: shape}, its `.metadata`), before
+    anything is built from them: the module counts that cost a meta model its time (layers,
+    experts, MTP layers), the hidden size and the learned positions."""
+    counts = stored_counts(shapes)
+    for name in ("num_layers", "mtp_num_layers"):
+        want = values.get(name) or None
+        if want is not None and want != counts[name]:
+            raise FormatError(f"{path}: 'args.{name}' is {_shown(want)}, the tensors hold "
+                              f"{counts[name] or 0} {'MTP ' if name.startswith('mtp') else ''}layers")
+    experts, found = values.get("num_experts") or None, counts["num_experts"]
+    if experts is not None and experts != found and (found is not None or not counts["any_experts"]):
+        raise FormatError(f"{path}: 'args.num_experts' is {_shown(experts)}, the tensors hold "
+                          f"{counts['num_experts'] or 0} experts per layer")
+    embedding = shapes.get("embedding.word_embeddings.weight")
+    hidden = values.get("hidden_size")
+    if embedding is not None and len(embedding) == 2 and hidden is not None and hidden != embedding[1]:
+        raise FormatError(f"{path}: 'args.hidden_size' is {_shown(hidden)}, embedding.word_embeddings.weight "
+                          f"has {embedding[1]} columns")
+    positions = shapes.get("embedding.position_embeddings.weight")
+    for name in ("seq_length", "max_position_embeddings"):
+        if positions and type(values.get(name)) is int and values[name] > positions[0]:
+            raise FormatError(f"{path}: 'args.{name}' is {values[name]}, but the position embedding "
+                              f"embedding.position_embeddings.weight has {positions[0]} rows")
+
+
 def against_checkpoint(saved: dict, names, architecture: dict, tensors: dict, path: str) -> None:
     """The adopted `names` of `saved` agree with the checkpoint's architecture, the architecture
     with its tensors, and the sequence with the position embedding's rows."""

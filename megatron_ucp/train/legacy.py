@@ -86,7 +86,7 @@ def load(args, state, directory: str):
         raise IncompleteCheckpointError(
             f"{path}: missing; a legacy torch checkpoint resumes only on the layout that wrote it "
             "(convert it with `megatron-ucp convert` to change layout)")
-    sd = safe_pickle.load_file(path, "legacy checkpoint file", root=directory)
+    sd = safe_pickle.load_file(path, "legacy checkpoint file", root=directory, tensor_data_on_disk=True)
     for i, chunk in enumerate(state.model):
         key = _model_key(len(state.model), i)
         if key not in sd:
@@ -100,7 +100,7 @@ def load(args, state, directory: str):
             if not os.path.lexists(optim_path):
                 raise IncompleteCheckpointError(f"{optim_path}: missing (saved without the distributed optimizer?)")
             # megatron's loader torch.loads it: vetted first (a regular file; allowed classes only)
-            safe_pickle.check_torch_file(optim_path, "legacy optimizer file", root=directory)
+            safe_pickle.check_torch_file(optim_path, "legacy optimizer file", root=directory, tensor_data_on_disk=True)
             state.optimizer.load_parameter_state(optim_path)
         if not args.no_load_scheduler:
             state.scheduler.load_state_dict(sd["opt_param_scheduler"])
