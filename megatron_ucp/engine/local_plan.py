@@ -74,6 +74,7 @@ class Iteration:
     iteration: int
     world: int
     copies: Tuple[Copy, ...] = ()
+    padded_vocab: Optional[int] = None  # the saving model's padded vocabulary (None: not recorded)
 
 
 @dataclass
@@ -135,7 +136,14 @@ def mark_bad(inventories: Sequence[Sequence[Iteration]], bad: Sequence[Tuple[str
     why = {(h, it, r): w for h, it, r, w in bad}
     return [[Iteration(it.iteration, it.world,
                        tuple(Copy(c.host, c.rank, c.nbytes, why.get((c.host, it.iteration, c.rank), c.bad))
-                             for c in it.copies)) for it in node] for node in inventories]
+                             for c in it.copies), it.padded_vocab) for it in node] for node in inventories]
+
+
+def padded_vocab_of(inventories: Sequence[Sequence[Iteration]], iteration: int) -> Optional[int]:
+    """The padded vocabulary the nodes' markers record for `iteration`; None when none records
+    one or they disagree (the restore's own check of the manifest decides then)."""
+    found = {it.padded_vocab for node in inventories for it in node if it.iteration == iteration}
+    return found.pop() if len(found) == 1 else None
 
 
 def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]]:

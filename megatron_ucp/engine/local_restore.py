@@ -18,9 +18,11 @@ Anything missing or bad is one line, and the caller falls back to the persistent
 import dataclasses
 import os
 import shutil
+import socket
 import time
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_ucp.engine import local_plan
 from megatron_ucp.engine.collective import all_true, run_everywhere
@@ -33,7 +35,8 @@ from megatron_ucp.format.layout import region_runs
 from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
-from megatron_ucp.mcore.model_map import unwrap
+from megatron_ucp.mcore.flag_validation import keeps_saved_padding
+from megatron_ucp.mcore.model_map import padded_vocab, unwrap
 
 
 def inventory(node_dir: str, host: str) -> list:
@@ -43,8 +46,29 @@ def inventory(node_dir: str, host: str) -> list:
     for iteration, world in sorted(local_piece.complete_iterations(node_dir).items()):
         copies = tuple(local_plan.Copy(host, rank, *local_piece.listed_size(node_dir, iteration, rank))
                        for rank in local_piece.held_ranks(node_dir, iteration))
-        out.append(local_plan.Iteration(iteration, world, copies))
+        out.append(local_plan.Iteration(iteration, world, copies,
+                                        local_piece.marked_padded_vocab(node_dir, iteration)))
     return out
+
+
+def peek(root: str, newer_than: int):
+    """Collective, before the model is built: (iteration, padded vocabulary its markers record,
+    None if none) of the local iteration a restore would take first (the newest newer than
+    `newer_than` with a copy of every piece listed), or None. The pieces are not read: if the
+    restore takes another one, its padding check (`_misfit`) decides."""
+    host = socket.gethostname()
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host)
+    leader = local_plan.leaders(hosts)[host] == dist.get_rank()
+    node_dir = os.path.join(root, host)
+    mine = run_everywhere(lambda: inventory(node_dir, host) if leader else None)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    found = [f for f in found if f is not None]
+    choice = local_plan.choose(found, newer_than)
+    if choice.iteration is None:
+        return None
+    return choice.iteration, local_plan.padded_vocab_of(found, choice.iteration)
 
 
 def _read_held(tier, choice):
@@ -155,6 +179,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     pieces = None  # the bytes are in the folder now
     marks.append(time.perf_counter())
     misfit = _misfit(root, choice.iteration, state.model, args.vocab_size)
+    misfit = misfit or _padding_misfit(root, choice.iteration, state.model, args.vocab_size)
     if not all_true(misfit is None, group=tier.group, device=CPU):
         if rank == 0:
             target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
@@ -195,6 +220,20 @@ def _misfit(root: str, iteration: int, model, vocab_size: int):
     except LayoutError as e:
         return str(e).split(": ", 1)[-1]
     return None
+
+
+def _padding_misfit(root: str, iteration: int, model, vocab_size: int):
+    """Why the assembled checkpoint's padded vocabulary is not the model's where a restart
+    restoring it keeps it (keeps_saved_padding; padding rows take part in the softmax: other
+    padding, another loss), or None. The trainers build the padding of the iteration `peek`
+    finds; this catches a restore that ends on another one."""
+    saved = read_manifest(folder.iteration_dir(root, iteration)).layout.get("padded_vocab_size")
+    built = padded_vocab(model)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if built is None or saved == built or not keeps_saved_padding(saved, vocab_size, tp):
+        return None
+    return (f"padded vocabulary: checkpoint {saved} rows, model {built}; a restart restoring it "
+            f"builds {saved} (padding rows take part in the softmax)")
 
 
 def set_aside(tier, iteration: int) -> None:

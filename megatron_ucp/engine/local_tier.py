@@ -25,7 +25,7 @@ from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.tensor_entry import STATES
 from megatron_ucp.mcore import rng
-from megatron_ucp.mcore.model_map import local_tensors
+from megatron_ucp.mcore.model_map import local_tensors, padded_vocab
 
 KEPT = 2  # complete local iterations kept per node
 CPU = torch.device("cpu")
@@ -85,6 +85,7 @@ class LocalTier:
         self.leader = local_plan.leaders(self.hosts)[self.host] == dist.get_rank()
         self.pending = None
         self.restored = None  # the local iteration this run restored (for --local-ckpt-check-loss)
+        self.padded_vocab = None  # the model's padded vocabulary, recorded in each COMPLETE marker
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -124,7 +125,7 @@ class LocalTier:
                   file=sys.stderr, flush=True)
         complete = all_true(error is None, group=self.group, device=CPU)
         if complete and self.leader:
-            local_piece.mark_complete(self.node_dir, iteration, world)
+            local_piece.mark_complete(self.node_dir, iteration, world, self.padded_vocab)
             local_piece.prune(self.node_dir, KEPT)
         dist.barrier(group=self.group)  # the markers are down before the save counts as done
         return complete
@@ -173,6 +174,7 @@ def open_tier(args, state) -> LocalTier:
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     tier = LocalTier(args.local_ckpt_dir, args.local_ckpt_replicas, hosts, group)
+    tier.padded_vocab = padded_vocab(state.model)
     optimizer = None if args.no_save_optim else state.optimizer
     states = STATES if optimizer is not None else ("param",)
     plan = _plan(local_tensors(state.model, optimizer, args.vocab_size), states, optimizer is not None,

@@ -104,9 +104,25 @@ def read_piece(node_dir: str, iteration: int, rank: int) -> bytes:
     return data
 
 
-def mark_complete(node_dir: str, iteration: int, world: int) -> None:
-    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), {"world": world})
+def mark_complete(node_dir: str, iteration: int, world: int, padded_vocab_size: Optional[int] = None) -> None:
+    """The marker also records the saving model's padded vocabulary: a restart reads it before
+    it builds its model (padding rows take part in the softmax; local_restore.peek)."""
+    record = {"world": world}
+    if padded_vocab_size is not None:
+        record["padded_vocab_size"] = int(padded_vocab_size)
+    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), record)
     fsync_dir(node_dir)
+
+
+def marked_padded_vocab(node_dir: str, iteration: int) -> Optional[int]:
+    """The padded vocabulary a COMPLETE marker records; None when it records none (a tier of an
+    older release) or the marker is unreadable (complete_iterations passes over those)."""
+    try:
+        padded = read_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE),
+                           "local-tier COMPLETE marker", MAX_SIDECAR_BYTES).get("padded_vocab_size")
+    except (FormatError, IncompleteCheckpointError):
+        return None
+    return padded if type(padded) is int and padded > 0 else None
 
 
 def complete_iterations(node_dir: str) -> Dict[int, int]:
