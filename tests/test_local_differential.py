@@ -186,3 +186,103 @@ def test_markers_record_the_padded_vocabulary(tmp_path):
     assert local_plan.padded_vocab_of([node("a", 512)], 6) is None
     marked = local_plan.mark_bad([node("a", 512)], [("a", 4, 0, "CRC")])
     assert marked[0][0].padded_vocab == 512 and marked[0][0].copies[0].bad == "CRC"
+
+
+# -- Megatron-LM's trainer through the plug-in (megatron-core >= 0.17): the same comparison in
+# one torchrun group per target world size (tests/mlm_restore_probe.py). NullTokenizer's 307
+# entries pad to 384 rows at TP1, 512 at TP2. --
+
+MLM_VOCAB = ["--vocab-size", "307", "--make-vocab-size-divisible-by", "128", "--ckpt-format", "universal",
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "20"]
+MLM_SOURCES = {"tp2pp2_dist": ([], TP2 + PP2 + DIST, 4)}
+MLM_TARGETS = {1: [("tp2pp2_dist", [])], 2: [("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", TP2)]}
+MLM_SLOW_SOURCES = {"pp2_vpp_dp2_dist": ([], PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + DIST, 4),
+                    "moe_ep2_tp2": (MOE[:-1] + ["--disable-bias-linear"], TP2 + SP + EP2 + DIST, 4)}
+MLM_SLOW_TARGETS = {
+    1: [("pp2_vpp_dp2_dist", []), ("moe_ep2_tp2", [])],
+    2: [("pp2_vpp_dp2_dist", TP2), ("tp2pp2_dist", PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+        ("moe_ep2_tp2", EP2 + DIST), ("moe_ep2_tp2", PP2)],
+    4: [("tp2pp2_dist", TP2 + PP2 + DIST), ("moe_ep2_tp2", ["--expert-model-parallel-size", "4"])],
+}
+
+
+def _mlm_saved(python, root: Path, sources: dict) -> None:
+    """Per source one trainer run to K: the local save at K (non-persistent interval K), the
+    final persistent save at K."""
+    from mlm_harness import run
+
+    for name, (model, layout, world) in sources.items():
+        run(python, root / name / "run", world, model + layout + MLM_VOCAB + [
+            "--save", str(root / name / "persistent"), "--save-interval", "1000",
+            "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(root / name / "local"),
+            "--non-persistent-save-interval", str(K)], K).check()
+
+
+def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
+    import json
+    import os
+    import subprocess
+
+    from harness import REPO, free_port
+    from mlm_harness import BASE as MLM_BASE
+
+    failures = []
+    for world, pairs in sorted(targets.items()):
+        work = root / f"mlm_restore{world}"
+        (work / "empty").mkdir(parents=True)
+        spec = {"result": str(work / "result.json"), "pairs": []}
+        for source, layout in pairs:
+            # the scheduler's weight-decay span follows --train-iters: the checkpoint's is kept
+            common = MLM_BASE + ["--cpu"] + sources[source][0] + layout + MLM_VOCAB + [
+                "--train-iters", str(K + 1), "--use-checkpoint-opt_param-scheduler"]
+            spec["pairs"].append({
+                "name": f"{source}->{' '.join(layout) or 'one process'}",
+                "local": common + ["--load", str(work / "empty"), "--non-persistent-ckpt-type", "local",
+                                   "--non-persistent-local-ckpt-dir", str(root / source / "local"),
+                                   "--non-persistent-save-interval", "1000"],
+                "persistent": common + ["--load", str(root / source / "persistent")]})
+        (work / "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1",
+                   UCP_PROBE_SPEC=str(work / "spec.json"))
+        proc = subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                               "-m", "megatron_ucp.megatron_lm", "--cpu", str(REPO / "tests" / "mlm_restore_probe.py")],
+                              env=env, cwd=work, capture_output=True, text=True, timeout=900)
+        output = proc.stdout + proc.stderr
+        results = json.loads((work / "result.json").read_text()) if (work / "result.json").exists() else {}
+        for pair in spec["pairs"]:
+            r = results.get(pair["name"])
+            if r is None or "error" in r:
+                failures.append(f"{pair['name']}: {r['error'] + r['traceback'] if r else 'did not run'}\n{output[-3000:]}")
+                continue
+            for rank, held in enumerate(r["ranks"]):
+                if held["iteration"] != K or held["keys"] <= 20:
+                    failures.append(f"{pair['name']}: rank {rank}: {held}")
+                elif held["differences"]:
+                    failures.append(f"{pair['name']}: rank {rank}: local and persistent restores differ: "
+                                    f"{held['differences']}")
+        restored = output.count(f"local checkpoint tier: restored iteration {K} ")
+        if restored != len(pairs):
+            failures.append(f"world {world}: {restored} restores from the local tier, expected {len(pairs)}")
+    assert not failures, "\n".join(failures)
+
+
+def test_local_restore_is_the_persistent_restore_in_megatron_lms_trainer(tmp_path):
+    """From TP2 x PP2 (distributed optimizer) into one process, PP2, DP2 (distributed optimizer)
+    and TP2."""
+    from mlm_harness import trainer_python
+
+    python = trainer_python()
+    _mlm_saved(python, tmp_path, MLM_SOURCES)
+    _mlm_restored(python, tmp_path, MLM_SOURCES, MLM_TARGETS)
+
+
+@pytest.mark.slow
+def test_local_restore_is_the_persistent_restore_in_megatron_lms_trainer_matrix(tmp_path):
+    """More sources (PP2 x VPP x DP2, MoE EP2 x TP2) and targets (VPP, EP2, EP4, the saving layout)."""
+    from mlm_harness import trainer_python
+
+    python = trainer_python()
+    sources = {**MLM_SOURCES, **MLM_SLOW_SOURCES}
+    _mlm_saved(python, tmp_path, sources)
+    _mlm_restored(python, tmp_path, sources, MLM_SLOW_TARGETS)
