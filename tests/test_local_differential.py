@@ -286,3 +286,21 @@ def test_local_restore_is_the_persistent_restore_in_megatron_lms_trainer_matrix(
     sources = {**MLM_SOURCES, **MLM_SLOW_SOURCES}
     _mlm_saved(python, tmp_path, sources)
     _mlm_restored(python, tmp_path, sources, MLM_SLOW_TARGETS)
+
+
+def test_a_fallback_to_another_padding_is_one_warning(monkeypatch):
+    """The local tier fell back to a persistent checkpoint whose padded vocabulary a restart
+    keeps but the model (built for the local iteration) lacks: one line with both sizes; none
+    where the sizes agree or the new TP size does not divide the saved one."""
+    from megatron_ucp.engine import local_restore
+
+    monkeypatch.setattr(local_restore, "padded_vocab", lambda model: 384)
+    tp = {"size": 1}
+    monkeypatch.setattr(local_restore.parallel_state, "get_tensor_model_parallel_world_size", lambda: tp["size"])
+    note = local_restore.fallback_padding_note(None, 307, 512)
+    assert note.startswith("WARNING: the model was built with the local tier's padded vocabulary of 384 rows, "
+                           "but the persistent checkpoint it falls back to has 512") and "\n" not in note, note
+    assert local_restore.fallback_padding_note(None, 307, 384) is None
+    assert local_restore.fallback_padding_note(None, 307, None) is None  # not recorded: nothing to keep
+    tp["size"] = 3  # 512 does not divide over TP3: a restart pads anew too
+    assert local_restore.fallback_padding_note(None, 307, 512) is None

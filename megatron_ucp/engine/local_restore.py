@@ -224,16 +224,37 @@ def _misfit(root: str, iteration: int, model, vocab_size: int):
 
 def _padding_misfit(root: str, iteration: int, model, vocab_size: int):
     """Why the assembled checkpoint's padded vocabulary is not the model's where a restart
-    restoring it keeps it (keeps_saved_padding; padding rows take part in the softmax: other
-    padding, another loss), or None. The trainers build the padding of the iteration `peek`
-    finds; this catches a restore that ends on another one."""
+    restoring it keeps it (padding rows take part in the softmax: other padding, another loss),
+    or None. The trainers build the padding of the iteration `peek` finds; this catches a
+    restore that ends on another one, or markers that do not record it."""
     saved = read_manifest(folder.iteration_dir(root, iteration)).layout.get("padded_vocab_size")
+    built = _other_padding(saved, model, vocab_size)
+    if built is None:
+        return None
+    return (f"padded vocabulary: checkpoint {saved} rows, model {built}; a restart restoring it "
+            f"builds {saved} (padding rows take part in the softmax)")
+
+
+def fallback_padding_note(model, vocab_size: int, saved):
+    """After the local tier fell back to the persistent checkpoint: a warning when that one's
+    padded vocabulary (`saved`) is not the model's, which was built for the local iteration that
+    could not be restored, where a restart restoring it keeps it; else None."""
+    built = _other_padding(saved, model, vocab_size)
+    if built is None:
+        return None
+    return (f"WARNING: the model was built with the local tier's padded vocabulary of {built} rows, "
+            f"but the persistent checkpoint it falls back to has {saved}: padding rows take part in "
+            f"the softmax, so the loss changes; a restart without those local iterations builds {saved}")
+
+
+def _other_padding(saved, model, vocab_size: int):
+    """The model's padded vocabulary when it differs from `saved` where keeps_saved_padding
+    would keep `saved`, else None."""
     built = padded_vocab(model)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if built is None or saved == built or not keeps_saved_padding(saved, vocab_size, tp):
         return None
-    return (f"padded vocabulary: checkpoint {saved} rows, model {built}; a restart restoring it "
-            f"builds {saved} (padding rows take part in the softmax)")
+    return built
 
 
 def set_aside(tier, iteration: int) -> None:

@@ -314,8 +314,24 @@ def _restore_local(args, ddp_model, optimizer, opt_param_scheduler, load_dir, st
     result = local_tier.restore(args, true_vocab_size(args), ddp_model, optimizer, opt_param_scheduler, newer_than,
                                 reseed=lambda it: _reseed(args, it))
     if result is None:
+        _warn_fallback_padding(args, ddp_model, load_dir, step)
         return None
     return _resume_from(args, result, f"the local tier ({args.local_ckpt_dir})")
+
+
+def _warn_fallback_padding(args, ddp_model, load_dir, step) -> None:
+    """The local tier fell back: one line when the model was built with another padded
+    vocabulary than the persistent checkpoint's (local_restore.fallback_padding_note)."""
+    from megatron_ucp.engine import local_restore
+    from megatron_ucp.format.manifest import read_manifest
+
+    target = run_everywhere(universal_target, load_dir, step)
+    if target is None:
+        return
+    saved = run_everywhere(lambda: read_manifest(target[1]).layout.get("padded_vocab_size"))
+    note = local_restore.fallback_padding_note(ddp_model, true_vocab_size(args), saved)
+    if note:
+        _print(f" {note}")
 
 
 def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):

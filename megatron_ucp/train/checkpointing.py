@@ -94,11 +94,16 @@ def restore_local(args, state, tier, reseed=None):
     if tier is None or args.finetune:
         return None
     from megatron_ucp.engine import local_restore
-    from megatron_ucp.engine.collective import on_rank_zero
+    from megatron_ucp.engine.collective import on_rank_zero, run_everywhere
 
     persistent = on_rank_zero(_persistent_iteration, args)
     result = local_restore.restore(tier, args, state, persistent, reseed)
     if result is None:
+        if args.load:
+            note = local_restore.fallback_padding_note(state.model, args.vocab_size,
+                                                       run_everywhere(_saved_padding, args))
+            if note and dist.get_rank() == 0:
+                print(f" {note}", flush=True)
         return None
     state.progress = dict(result.manifest.progress or {})
     return result.iteration, result.consumed_samples
