@@ -73,8 +73,9 @@ SOURCES = {
     "moe_ep2_tp2": (MOE, TP2 + SP + EP2 + DIST, 4),
 }
 # target world size -> [(source, layout)]; one process group per world size.
+ELASTIC = ["--elastic"] + TP2 + PP2 + DIST  # asks for TP2 x PP2; --elastic fits one process
 TARGETS = {
-    1: [("tp2pp2_dist", [])],
+    1: [("tp2pp2_dist", []), ("tp2pp2_dist", ELASTIC)],
     2: [("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", VPP), ("moe_ep2_tp2", EP2 + DIST)],
 }
 SLOW_SOURCES = {
@@ -138,8 +139,8 @@ def _unrecorded_copy(root: Path, source: str) -> Path:
 
 
 def test_local_restore_is_the_persistent_restore(tmp_path):
-    """The default suite's pairs: TP1 (one process), PP2, DP2 with the distributed optimizer
-    and VPP from TP2 x PP2 (distributed optimizer); MoE EP2 x TP2 to EP2 x DP2 (TP2 targets:
+    """The default suite's pairs: TP1 (one process, also as --elastic chooses it), PP2, DP2 with
+    the distributed optimizer and VPP from TP2 x PP2 (distributed optimizer); MoE EP2 x TP2 to EP2 x DP2 (TP2 targets:
     in Megatron-LM's trainer below, and in the slow matrix). And the restore's guard: a local
     iteration whose markers do not say its padded vocabulary (512 rows) while the restart built
     384 is not loaded (one line; here no persistent checkpoint: training from scratch).
@@ -198,7 +199,8 @@ def test_markers_record_the_padded_vocabulary(tmp_path):
 MLM_VOCAB = ["--vocab-size", "307", "--make-vocab-size-divisible-by", "128", "--ckpt-format", "universal",
              "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "20"]
 MLM_SOURCES = {"tp2pp2_dist": ([], TP2 + PP2 + DIST, 4)}
-MLM_TARGETS = {1: [("tp2pp2_dist", [])], 2: [("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", TP2)]}
+MLM_TARGETS = {1: [("tp2pp2_dist", []), ("tp2pp2_dist", ELASTIC)],
+               2: [("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", TP2)]}
 MLM_SLOW_SOURCES = {"pp2_vpp_dp2_dist": ([], PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + DIST, 4),
                     "moe_ep2_tp2": (MOE[:-1] + ["--disable-bias-linear"], TP2 + SP + EP2 + DIST, 4)}
 MLM_SLOW_TARGETS = {
@@ -272,8 +274,8 @@ def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
 
 
 def test_local_restore_is_the_persistent_restore_in_megatron_lms_trainer(tmp_path):
-    """From TP2 x PP2 (distributed optimizer) into one process, PP2, DP2 (distributed optimizer)
-    and TP2."""
+    """From TP2 x PP2 (distributed optimizer) into one process (also as --elastic chooses it),
+    PP2, DP2 (distributed optimizer) and TP2."""
     from mlm_harness import trainer_python
 
     python = trainer_python()
