@@ -13,6 +13,9 @@
    does not hash again: every byte was checked against its piece's CRC-32 in step 1, and the
    folder was written by this restart a moment before.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
+Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
+restore will take (its COMPLETE markers record it): padding rows take part in the softmax, so
+the model must be built with the checkpoint's, as for a persistent checkpoint.
 """
 
 import dataclasses
@@ -55,7 +58,7 @@ def peek(root: str, newer_than: int):
     """Collective, before the model is built: (iteration, padded vocabulary its markers record,
     None if none) of the local iteration a restore would take first (the newest newer than
     `newer_than` with a copy of every piece listed), or None. The pieces are not read: if the
-    restore takes another one, its padding check (`_misfit`) decides."""
+    restore takes another one, its padding check (`_padding_misfit`) decides."""
     host = socket.gethostname()
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, host)

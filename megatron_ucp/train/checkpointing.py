@@ -195,7 +195,7 @@ def keep_saved_vocab_padding(args) -> None:
     only needs the padded size divisible by TP, so keeping the saved size keeps the loss curve.
     Collective: a bad checkpoint is the same error on every rank.
     """
-    padded, source = restored_padding(args)
+    padded, source = _restored_padding(args)
     tp = args.tensor_model_parallel_size
     if keeps_saved_padding(padded, args.vocab_size, tp) and padded != args.padded_vocab_size:
         if dist.get_rank() == 0:
@@ -204,7 +204,7 @@ def keep_saved_vocab_padding(args) -> None:
         args.padded_vocab_size = padded
 
 
-def restored_padding(args):
+def _restored_padding(args):
     """(padded vocabulary, where from) of the checkpoint this run will restore: the local
     tier's newest iteration newer than --load's (its COMPLETE markers record it), else
     --load's universal checkpoint; (None, None) without either. Collective."""
