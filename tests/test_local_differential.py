@@ -123,6 +123,19 @@ def _restored(root: Path, sources: dict, targets: dict, extra=None) -> dict:
     return everything
 
 
+def _corrupt_copy(root: Path, source: str) -> Path:
+    """`source`'s local tier with one byte of rank 0's piece flipped (its only copy: one node)."""
+    import shutil
+
+    copy = root / f"{source}_corrupt"
+    shutil.copytree(root / source / "local", copy)
+    (piece,) = copy.glob(f"*/iter_{K:07d}/rank_00000.safetensors")
+    data = bytearray(piece.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    piece.write_bytes(bytes(data))
+    return copy
+
+
 def _unrecorded_copy(root: Path, source: str) -> Path:
     """`source`'s local tier with COMPLETE markers that record no padded vocabulary (as an
     older release wrote them)."""
@@ -149,7 +162,15 @@ def test_local_restore_is_the_persistent_restore(tmp_path):
     unrecorded = _unrecorded_copy(tmp_path, "tp2pp2_dist")
     guard = {"name": "guard", "op": "train", "argv": _base([]) + [
         "--train-iters", "1", "--local-ckpt-dir", str(unrecorded), "--local-save-interval", "1000"]}
-    results = _restored(tmp_path, SOURCES, TARGETS, extra={1: [guard]})
+    # The fallback: a persistent checkpoint of 384 rows at K - 1 (TP1), and a local iteration K
+    # recorded at 512 rows whose only copy of rank 0's piece is corrupt.
+    corrupt = _corrupt_copy(tmp_path, "tp2pp2_dist")
+    older = str(tmp_path / "tp1_older")
+    fallback = [{"name": "older", "op": "train", "argv": _base([]) + ["--train-iters", str(K - 1), "--save", older]},
+                {"name": "fallback", "op": "train", "argv": _base([]) + [
+                    "--train-iters", str(K), "--load", older, "--local-ckpt-dir", str(corrupt),
+                    "--local-save-interval", "1000"]}]
+    results = _restored(tmp_path, SOURCES, TARGETS, extra={1: [guard] + fallback})
     out = ok(results, "guard")
     assert list(out["losses"]) == ["1"], out["losses"]
     lines = [x for x in out["stdout"].splitlines() if "local checkpoint tier: iteration" in x]
@@ -157,6 +178,12 @@ def test_local_restore_is_the_persistent_restore(tmp_path):
     assert (f"iteration {K} was saved by another model (padded vocabulary: checkpoint 512 rows, model 384; "
             "a restart restoring it builds 512" in lines[0]), lines[0]
     assert "falling back to the persistent checkpoint (none yet: training from scratch)" in lines[0]
+    out = ok(results, "fallback")
+    assert list(out["losses"]) == [str(K)], out["losses"]
+    assert " keeping local iteration 3's padded vocabulary of 512 rows (instead of 384)" in out["stdout"]
+    assert "falling back to the persistent checkpoint (iteration 2)" in out["stdout"]
+    assert (" WARNING: the model was built with the local tier's padded vocabulary of 512 rows, but the "
+            "persistent checkpoint it falls back to has 384" in out["stdout"]), out["stdout"]
 
 
 @pytest.mark.slow
