@@ -394,6 +394,44 @@ def logits(step):
     return {"logits": next(x for x in everyone if x is not None)}
 
 
+def restore_both(step):
+    """Issue 46's differential test: a restart from the local tier (`local_argv`: its
+    --local-ckpt-dir, no checkpoint newer in --load) and a restart from the persistent checkpoint
+    of the same iteration (`persistent_argv`), one after the other in this process group, each
+    building its model as such a restart does; each rank's state after each (tests/state_probe.py)
+    compared bitwise in memory. Returns every rank's differences (none: equal)."""
+    from state_probe import differences, snapshot
+
+    from megatron_ucp.train import checkpointing
+    from megatron_ucp.train.data import build_datasets, microbatches
+
+    def held(args, state, iteration, consumed):
+        from megatron.core import parallel_state
+
+        dataset, _ = build_datasets(args)
+        batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
+                               parallel_state.get_data_parallel_rank(),
+                               parallel_state.get_data_parallel_world_size())
+        return snapshot(state.model, state.optimizer, state.scheduler, iteration=iteration,
+                        consumed_samples=consumed, progress=dict(state.progress),
+                        next_tokens=[b["tokens"] for b in batches],
+                        padded_vocab=args.padded_vocab_size)
+
+    with loop.session(step["local_argv"]) as (args, state):
+        tier = checkpointing.open_local_tier(args, state)
+        iteration, consumed = loop.resume(args, state, tier)
+        restored = tier.restored
+        local = held(args, state, iteration, consumed)
+    with loop.session(step["persistent_argv"]) as (args, state):
+        iteration, consumed = loop.resume(args, state)
+        persistent = held(args, state, iteration, consumed)
+    found = differences(local, persistent)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"differences": found, "local_restored": restored,
+                                      "keys": len(local), "iteration": iteration})
+    return {"ranks": everyone}
+
+
 def corrupt_copy(step):
     """Rank 0 copies checkpoint folder `src` to `dst`, then flips one bit of `tensor`'s file at
     `fraction` of it ("flip") or cuts the file there ("truncate"), in every iteration."""
@@ -416,7 +454,7 @@ def corrupt_copy(step):
     return {}
 
 
-OPS = {"corrupt_copy": corrupt_copy, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
+OPS = {"corrupt_copy": corrupt_copy, "restore_both": restore_both, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
        "grouped": grouped, "logits": logits, "geometry": geometry, "export_torch_dist": export_torch_dist}
 

@@ -78,6 +78,7 @@ class Iteration:
     world: int
     copies: Tuple[Copy, ...] = ()
     refused: Optional[str] = None
+    padded_vocab: Optional[int] = None  # the saving model's padded vocabulary (None: not recorded)
 
 
 @dataclass
@@ -164,6 +165,13 @@ def held_copies(inventories: Sequence[Sequence[Iteration]], iteration: int, host
     """Saving rank -> the copy `host` holds of `iteration` (as its inventory lists it)."""
     return {c.rank: c for node in inventories for it in node if it.iteration == iteration and it.refused is None
             for c in it.copies if c.host == host}
+
+
+def padded_vocab_of(inventories: Sequence[Sequence[Iteration]], iteration: int) -> Optional[int]:
+    """The padded vocabulary the nodes' markers record for `iteration`; None when none records
+    one or they disagree (the restore's own check of the manifest decides then)."""
+    found = {it.padded_vocab for node in inventories for it in node if it.iteration == iteration}
+    return found.pop() if len(found) == 1 else None
 
 
 def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]]:

@@ -16,14 +16,19 @@
    does not hash again: every byte was checked against its piece's CRC-32 in step 1, and the
    folder was written by this restart a moment before.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
+Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
+restore will take (its COMPLETE markers record it): padding rows take part in the softmax, so
+the model must be built with the checkpoint's, as for a persistent checkpoint.
 """
 
 import dataclasses
 import os
 import shutil
+import socket
 import time
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_ucp.engine import local_check, local_plan
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
@@ -37,7 +42,8 @@ from megatron_ucp.format.layout import region_runs
 from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
-from megatron_ucp.mcore.model_map import unwrap
+from megatron_ucp.mcore.flag_validation import keeps_saved_padding
+from megatron_ucp.mcore.model_map import padded_vocab, unwrap
 
 
 def inventory(node_dir: str, host: str, job) -> list:
@@ -54,9 +60,11 @@ def inventory(node_dir: str, host: str, job) -> list:
             out.append(local_plan.Iteration(iteration, record["world"], refused=(
                 f"{marker}: another job's ({local_check.whose(record.get('job'), job)})")))
         else:
+            padded = record.get("padded_vocab_size")
             out.append(local_plan.Iteration(iteration, record["world"], tuple(
                 _copy(node_dir, host, iteration, record["world"], job, rank)
-                for rank in local_piece.held_ranks(node_dir, iteration))))
+                for rank in local_piece.held_ranks(node_dir, iteration)),
+                padded_vocab=padded if type(padded) is int and padded > 0 else None))
     return out
 
 
@@ -113,6 +121,26 @@ def _vet(tier, choice, copies):
     verdict = on_rank_zero(lambda: local_check.vet(seen, {k: v for part in carried for k, v in part.items()}),
                            group=tier.group)
     return verdict, {rank: d[0] for rank, d in details.items()}
+
+
+def peek(root: str, newer_than: int, job):
+    """Collective, before the model is built: (iteration, padded vocabulary its markers record,
+    None if none) of the local iteration a restore would take first (the newest of `job`'s
+    newer than `newer_than` with a copy of every piece listed), or None. The pieces are not read: if the
+    restore takes another one, its padding check (`_padding_misfit`) decides."""
+    host = socket.gethostname()
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host)
+    leader = local_plan.leaders(hosts)[host] == dist.get_rank()
+    node_dir = os.path.join(root, host)
+    mine = run_everywhere(lambda: inventory(node_dir, host, job) if leader else None)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    found = [f for f in found if f is not None]
+    choice = local_plan.choose(found, newer_than)
+    if choice.iteration is None:
+        return None
+    return choice.iteration, local_plan.padded_vocab_of(found, choice.iteration)
 
 
 def _read_held(tier, choice, copies, digests):
@@ -236,6 +264,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     pieces = None  # the bytes are in the folder now
     marks.append(time.perf_counter())
     misfit = _misfit(root, choice.iteration, state.model, args.vocab_size)
+    misfit = misfit or _padding_misfit(root, choice.iteration, state.model, args.vocab_size)
     if not all_true(misfit is None, group=tier.group, device=CPU):
         if rank == 0:
             target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
@@ -298,6 +327,41 @@ def _misfit(root: str, iteration: int, model, vocab_size: int):
     except LayoutError as e:
         return str(e).split(": ", 1)[-1]
     return None
+
+
+def _padding_misfit(root: str, iteration: int, model, vocab_size: int):
+    """Why the assembled checkpoint's padded vocabulary is not the model's where a restart
+    restoring it keeps it (padding rows take part in the softmax: other padding, another loss),
+    or None. The trainers build the padding of the iteration `peek` finds; this catches a
+    restore that ends on another one, or markers that do not record it."""
+    saved = read_manifest(folder.iteration_dir(root, iteration)).layout.get("padded_vocab_size")
+    built = _other_padding(saved, model, vocab_size)
+    if built is None:
+        return None
+    return (f"padded vocabulary: checkpoint {saved} rows, model {built}; a restart restoring it "
+            f"builds {saved} (padding rows take part in the softmax)")
+
+
+def fallback_padding_note(model, vocab_size: int, saved):
+    """After the local tier fell back to the persistent checkpoint: a warning when that one's
+    padded vocabulary (`saved`) is not the model's, which was built for the local iteration that
+    could not be restored, where a restart restoring it keeps it; else None."""
+    built = _other_padding(saved, model, vocab_size)
+    if built is None:
+        return None
+    return (f"WARNING: the model was built with the local tier's padded vocabulary of {built} rows, "
+            f"but the persistent checkpoint it falls back to has {saved}: padding rows take part in "
+            f"the softmax, so the loss changes; a restart without those local iterations builds {saved}")
+
+
+def _other_padding(saved, model, vocab_size: int):
+    """The model's padded vocabulary when it differs from `saved` where keeps_saved_padding
+    would keep `saved`, else None."""
+    built = padded_vocab(model)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if built is None or saved == built or not keeps_saved_padding(saved, vocab_size, tp):
+        return None
+    return built
 
 
 def set_aside(tier, iteration: int) -> None:

@@ -27,7 +27,7 @@ from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.tensor_entry import STATES
 from megatron_ucp.mcore import rng
-from megatron_ucp.mcore.model_map import local_tensors
+from megatron_ucp.mcore.model_map import local_tensors, padded_vocab
 from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS
 
 KEPT = 2  # complete local iterations kept per node
@@ -108,6 +108,7 @@ class LocalTier:
         self.leader = local_plan.leaders(self.hosts)[self.host] == dist.get_rank()
         self.pending = None
         self.restored = None  # the local iteration this run restored (for --local-ckpt-check-loss)
+        self.padded_vocab = None  # the model's padded vocabulary, recorded in each COMPLETE marker
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -155,7 +156,7 @@ class LocalTier:
                   file=sys.stderr, flush=True)
         complete = all_true(error is None, group=self.group, device=CPU)
         if complete and self.leader:
-            local_piece.mark_complete(self.node_dir, iteration, world, self.job)
+            local_piece.mark_complete(self.node_dir, iteration, world, self.job, self.padded_vocab)
             local_piece.prune(self.node_dir, KEPT, self.job)
         dist.barrier(group=self.group)  # the markers are down before the save counts as done
         return complete
@@ -213,6 +214,7 @@ def open_tier(args, state) -> LocalTier:
     dist.all_gather_object(hosts, socket.gethostname())
     job = on_rank_zero(job_identity, args)
     tier = LocalTier(args.local_ckpt_dir, args.local_ckpt_replicas, hosts, group, job)
+    tier.padded_vocab = padded_vocab(state.model)
     optimizer = None if args.no_save_optim else state.optimizer
     states = STATES if optimizer is not None else ("param",)
     plan = _plan(local_tensors(state.model, optimizer, args.vocab_size), states, optimizer is not None,

@@ -187,9 +187,26 @@ def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int
     return data
 
 
-def mark_complete(node_dir: str, iteration: int, world: int, job=None) -> None:
-    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), {"world": world, "job": job})
+def mark_complete(node_dir: str, iteration: int, world: int, job=None, padded_vocab_size: Optional[int] = None) -> None:
+    """The marker names the job and records the saving model's padded vocabulary: a restart
+    reads it before it builds its model (padding rows take part in the softmax; local_restore.peek)."""
+    record = {"world": world, "job": job}
+    if padded_vocab_size is not None:
+        record["padded_vocab_size"] = int(padded_vocab_size)
+    atomic_write_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE), record)
     fsync_dir(node_dir)
+
+
+def marked_padded_vocab(node_dir: str, iteration: int) -> Optional[int]:
+    """The padded vocabulary a COMPLETE marker records; None when it records none (a tier of an
+    older release) or the marker is unreadable (markers() names those)."""
+    try:
+        record = read_json(os.path.join(iteration_dir(node_dir, iteration), COMPLETE),
+                           "local-tier COMPLETE marker", MAX_SIDECAR_BYTES)
+    except (FormatError, IncompleteCheckpointError):
+        return None
+    padded = record.get("padded_vocab_size") if isinstance(record, dict) else None
+    return padded if type(padded) is int and padded > 0 else None
 
 
 def markers(node_dir: str) -> Dict[int, Tuple[Optional[dict], Optional[str]]]:

@@ -317,6 +317,13 @@ def unwrap(chunk: torch.nn.Module):
     return chunk
 
 
+def padded_vocab(model_chunks) -> Optional[int]:
+    """The padded vocabulary the model was built with (GPTModel's vocab_size, on every pipeline
+    stage), or None where a model does not say."""
+    size = getattr(unwrap(model_chunks[0]), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def local_tensors(model_chunks, optimizer, vocab_size: int, for_load: bool = False) -> List[LocalTensor]:
     """Every parameter (and persistent buffer) this rank holds, named and mapped; `vocab_size`
     is the true vocabulary. `for_load`: the optimizer state is about to be overwritten."""

@@ -315,8 +315,24 @@ def _restore_local(args, ddp_model, optimizer, opt_param_scheduler, load_dir, st
     result = local_tier.restore(args, true_vocab_size(args), ddp_model, optimizer, opt_param_scheduler, newer_than,
                                 reseed=lambda it: _reseed(args, it))
     if result is None:
+        _warn_fallback_padding(args, ddp_model, load_dir, step)
         return None
     return _resume_from(args, result, f"the local tier ({args.local_ckpt_dir})")
+
+
+def _warn_fallback_padding(args, ddp_model, load_dir, step) -> None:
+    """The local tier fell back: one line when the model was built with another padded
+    vocabulary than the persistent checkpoint's (local_restore.fallback_padding_note)."""
+    from megatron_ucp.engine import local_restore
+    from megatron_ucp.format.manifest import read_manifest
+
+    target = run_everywhere(universal_target, load_dir, step)
+    if target is None:
+        return
+    saved = run_everywhere(lambda: read_manifest(target[1]).layout.get("padded_vocab_size"))
+    note = local_restore.fallback_padding_note(ddp_model, true_vocab_size(args), saved)
+    if note:
+        _print(f" {note}")
 
 
 def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
@@ -340,28 +356,50 @@ def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
 
 
 def adopt_padded_vocab() -> None:
-    """Before the model is built: a universal checkpoint's padded vocabulary where the new
-    tensor-parallel size divides it (train.checkpointing.keep_saved_vocab_padding); where it
-    does not, the new padding stands and the message names the flag."""
-    args = _args()
-    target = run_everywhere(universal_target, args.load, getattr(args, "ckpt_step", None))
-    if target is None or args.finetune:
-        return
-    from megatron_ucp.format.manifest import read_manifest
+    """Before the model is built: the padded vocabulary of the checkpoint the run restores (the
+    local tier's iteration when it holds one newer than --load's, as load_checkpoint takes it,
+    else --load's universal checkpoint) where the new tensor-parallel size divides it
+    (train.checkpointing.keep_saved_vocab_padding); where it does not, the new padding stands
+    and the message names the flag."""
     from megatron_ucp.mcore.flag_validation import keeps_saved_padding
 
-    padded = run_everywhere(lambda: read_manifest(target[1]).layout.get("padded_vocab_size"))
+    args = _args()
+    padded, source = _restored_padding(args)
     tp = args.tensor_model_parallel_size
     if not padded or padded == args.padded_vocab_size:
         return
     if keeps_saved_padding(padded, true_vocab_size(args), tp):
-        _print(f" keeping the checkpoint's padded vocabulary of {padded} rows (instead of "
+        _print(f" keeping {source}'s padded vocabulary of {padded} rows (instead of "
                f"{args.padded_vocab_size}): padding rows take part in the softmax")
         args.padded_vocab_size = padded
     else:
-        _print(f" WARNING: the checkpoint's padded vocabulary of {padded} rows does not divide over "
+        _print(f" WARNING: {source}'s padded vocabulary of {padded} rows does not divide over "
                f"--tensor-model-parallel-size {tp}: padding to {args.padded_vocab_size} rows "
                "(--make-vocab-size-divisible-by) changes the loss")
+
+
+def _restored_padding(args):
+    """(padded vocabulary, where from) of the checkpoint load_checkpoint will restore, or
+    (None, None). Collective."""
+    from megatron_ucp.format.manifest import read_manifest
+
+    if args.finetune:
+        return None, None
+    step = getattr(args, "ckpt_step", None)
+    if getattr(args, "local_ckpt_dir", None) and args.load is not None:  # load_checkpoint's condition
+        from megatron_ucp.engine import local_restore
+        from megatron_ucp.engine.collective import on_rank_zero
+        from megatron_ucp.engine.local_tier import job_identity
+        from megatron_ucp.megatron_lm import local_tier
+
+        job = on_rank_zero(job_identity, local_tier.engine_args(args, true_vocab_size(args)))  # the tier's view
+        found = local_restore.peek(args.local_ckpt_dir, run_everywhere(_persistent_iteration, args.load, step), job)
+        if found is not None and found[1] is not None:
+            return found[1], f"local iteration {found[0]}"
+    target = run_everywhere(universal_target, args.load, step)
+    if target is None:
+        return None, None
+    return run_everywhere(lambda: read_manifest(target[1]).layout.get("padded_vocab_size")), "the checkpoint"
 
 
 def _initialize_megatron(*a, **k):

@@ -41,7 +41,7 @@ def adopt(args) -> None:
     args.replication, args.replication_jump = False, None
 
 
-def _engine_args(args, vocab_size: int):
+def engine_args(args, vocab_size: int):
     """The trainer's arguments under the names the engine's tier reads (the own loop's);
     `vocab_size`: the tokenizer's (checkpoint.true_vocab_size)."""
     view = types.SimpleNamespace(**vars(args))
@@ -60,7 +60,7 @@ def tier(args, vocab_size, model, optimizer, scheduler):
     if "tier" not in _TIER:
         from megatron_ucp.engine.local_tier import open_tier
 
-        _TIER["tier"] = open_tier(_engine_args(args, vocab_size), _state(model, optimizer, scheduler))
+        _TIER["tier"] = open_tier(engine_args(args, vocab_size), _state(model, optimizer, scheduler))
     return _TIER["tier"]
 
 
@@ -72,7 +72,7 @@ def save(args, vocab_size, iteration, model, optimizer, scheduler, progress) -> 
 
     start = time.perf_counter()
     t = tier(args, vocab_size, model, optimizer, scheduler)
-    t.save(_engine_args(args, vocab_size), _state(model, optimizer, scheduler, progress), iteration,
+    t.save(engine_args(args, vocab_size), _state(model, optimizer, scheduler, progress), iteration,
            args.consumed_train_samples)
     if dist.get_rank() == 0:
         print(f" local save at iteration {iteration:8d} started ({time.perf_counter() - start:.3f} s "
@@ -85,7 +85,7 @@ def restore(args, vocab_size, model, optimizer, scheduler, newer_than: int, rese
     from megatron_ucp.engine import local_restore
 
     t = tier(args, vocab_size, model, optimizer, scheduler)
-    return local_restore.restore(t, _engine_args(args, vocab_size), _state(model, optimizer, scheduler),
+    return local_restore.restore(t, engine_args(args, vocab_size), _state(model, optimizer, scheduler),
                                  newer_than, reseed)
 
 

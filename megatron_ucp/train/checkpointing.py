@@ -94,11 +94,16 @@ def restore_local(args, state, tier, reseed=None):
     if tier is None or args.finetune:
         return None
     from megatron_ucp.engine import local_restore
-    from megatron_ucp.engine.collective import on_rank_zero
+    from megatron_ucp.engine.collective import on_rank_zero, run_everywhere
 
     persistent = on_rank_zero(_persistent_iteration, args)
     result = local_restore.restore(tier, args, state, persistent, reseed)
     if result is None:
+        if args.load:
+            note = local_restore.fallback_padding_note(state.model, args.vocab_size,
+                                                       run_everywhere(_saved_padding, args))
+            if note and dist.get_rank() == 0:
+                print(f" {note}", flush=True)
         return None
     state.progress = dict(result.manifest.progress or {})
     return result.iteration, result.consumed_samples
@@ -182,31 +187,49 @@ def _saved_args(args) -> dict:
 
 
 def keep_saved_vocab_padding(args) -> None:
-    """Reuse the checkpoint's padded vocabulary when the new TP size divides it.
+    """Build the padded vocabulary of the checkpoint this run restores, when the new TP size
+    divides it: the local tier's iteration when it holds one newer than --load's (the one
+    restore_local takes), else --load's.
 
     Padding rows take part in the softmax, so changing their number changes the loss; Megatron
     only needs the padded size divisible by TP, so keeping the saved size keeps the loss curve.
     Collective: a bad checkpoint is the same error on every rank.
     """
-    if args.load:
-        from megatron_ucp.engine.collective import run_everywhere
-
-        run_everywhere(_keep_saved_vocab_padding, args)
-
-
-def _keep_saved_vocab_padding(args) -> None:
-    _, directory = _load_target(args)
-    if not _is_universal(directory):
-        return
-    from megatron_ucp.format.manifest import read_manifest
-
-    padded = read_manifest(directory).layout.get("padded_vocab_size")
+    padded, source = _restored_padding(args)
     tp = args.tensor_model_parallel_size
     if keeps_saved_padding(padded, args.vocab_size, tp) and padded != args.padded_vocab_size:
         if dist.get_rank() == 0:
-            print(f" keeping the checkpoint's padded vocabulary of {padded} rows "
+            print(f" keeping {source}'s padded vocabulary of {padded} rows "
                   f"(instead of {args.padded_vocab_size})", flush=True)
         args.padded_vocab_size = padded
+
+
+def _restored_padding(args):
+    """(padded vocabulary, where from) of the checkpoint this run will restore: the local
+    tier's newest iteration newer than --load's (its COMPLETE markers record it), else
+    --load's universal checkpoint; (None, None) without either. Collective."""
+    from megatron_ucp.engine.collective import on_rank_zero, run_everywhere
+
+    if args.local_ckpt_dir and not args.finetune:
+        from megatron_ucp.engine import local_restore
+        from megatron_ucp.engine.local_tier import job_identity
+
+        found = local_restore.peek(args.local_ckpt_dir, on_rank_zero(_persistent_iteration, args),
+                                   on_rank_zero(job_identity, args))
+        if found is not None and found[1] is not None:
+            return found[1], f"local iteration {found[0]}"
+    if args.load:
+        return run_everywhere(_saved_padding, args), "the checkpoint"
+    return None, None
+
+
+def _saved_padding(args):
+    _, directory = _load_target(args)
+    if not _is_universal(directory):
+        return None
+    from megatron_ucp.format.manifest import read_manifest
+
+    return read_manifest(directory).layout.get("padded_vocab_size")
 
 
 def load(args, state, reseed=None):
