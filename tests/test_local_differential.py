@@ -52,8 +52,10 @@ def restore_step(source, root: Path, model, layout):
     """Restore `source`'s iteration K on `layout` from each tier; compare."""
     common = _base(model) + layout + ["--train-iters", str(K + 1)]
     return {"name": f"{source}->{' '.join(layout) or 'one process'}", "op": "restore_both", "fatal": False,
+            # --save names the job whose tier it is (local_tier.job_identity); no --load: the
+            # local iteration K is the newest the restart knows of
             "local_argv": common + ["--local-ckpt-dir", str(root / source / "local"),
-                                    "--local-save-interval", "1000"],
+                                    "--local-save-interval", "1000", "--save", str(root / source / "persistent")],
             "persistent_argv": common + ["--load", str(root / source / "persistent")]}
 
 
@@ -136,6 +138,19 @@ def _corrupt_copy(root: Path, source: str) -> Path:
     return copy
 
 
+def _same_job(root: Path, source: str, name: str) -> Path:
+    """A save folder of `source`'s job: its job id (local_piece.JOB_FILE) copied there, so that
+    a run saving into it restores `source`'s local tier (local_tier.job_identity)."""
+    import shutil
+
+    from megatron_ucp.format.local_piece import JOB_FILE
+
+    folder = root / name
+    folder.mkdir()
+    shutil.copy(root / source / "persistent" / JOB_FILE, folder / JOB_FILE)
+    return folder
+
+
 def _unrecorded_copy(root: Path, source: str) -> Path:
     """`source`'s local tier with COMPLETE markers that record no padded vocabulary (as an
     older release wrote them)."""
@@ -160,12 +175,14 @@ def test_local_restore_is_the_persistent_restore(tmp_path):
     """
     _saved(tmp_path, SOURCES)
     unrecorded = _unrecorded_copy(tmp_path, "tp2pp2_dist")
+    guard_save = _same_job(tmp_path, "tp2pp2_dist", "guard_save")  # the tier is this job's
     guard = {"name": "guard", "op": "train", "argv": _base([]) + [
-        "--train-iters", "1", "--local-ckpt-dir", str(unrecorded), "--local-save-interval", "1000"]}
+        "--train-iters", "1", "--local-ckpt-dir", str(unrecorded), "--local-save-interval", "1000",
+        "--save", str(guard_save)]}
     # The fallback: a persistent checkpoint of 384 rows at K - 1 (TP1), and a local iteration K
     # recorded at 512 rows whose only copy of rank 0's piece is corrupt.
     corrupt = _corrupt_copy(tmp_path, "tp2pp2_dist")
-    older = str(tmp_path / "tp1_older")
+    older = str(_same_job(tmp_path, "tp2pp2_dist", "tp1_older"))
     fallback = [{"name": "older", "op": "train", "argv": _base([]) + ["--train-iters", str(K - 1), "--save", older]},
                 {"name": "fallback", "op": "train", "argv": _base([]) + [
                     "--train-iters", str(K), "--load", older, "--local-ckpt-dir", str(corrupt),
@@ -210,7 +227,7 @@ def test_markers_record_the_padded_vocabulary(tmp_path):
     assert local_piece.complete_iterations(str(tmp_path)) == {4: 2, 6: 2}
 
     def node(host, padded):
-        return [local_plan.Iteration(4, 1, (local_plan.Copy(host, 0, 10),), padded)]
+        return [local_plan.Iteration(4, 1, (local_plan.Copy(host, 0, 10),), padded_vocab=padded)]
 
     assert local_plan.padded_vocab_of([node("a", 512), node("b", 512)], 4) == 512
     assert local_plan.padded_vocab_of([node("a", 512), node("b", 384)], 4) is None
@@ -269,9 +286,12 @@ def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
                 "--train-iters", str(K + 1), "--use-checkpoint-opt_param-scheduler"]
             spec["pairs"].append({
                 "name": f"{source}->{' '.join(layout) or 'one process'}",
+                # --save names the job whose tier it is (local_tier.job_identity); --load of an
+                # empty folder: no persistent checkpoint newer
                 "local": common + ["--load", str(work / "empty"), "--non-persistent-ckpt-type", "local",
                                    "--non-persistent-local-ckpt-dir", str(root / source / "local"),
-                                   "--non-persistent-save-interval", "1000"],
+                                   "--non-persistent-save-interval", "1000", "--save", str(root / source / "persistent"),
+                                   "--save-interval", "1000"],
                 "persistent": common + ["--load", str(root / source / "persistent")]})
         (work / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1",

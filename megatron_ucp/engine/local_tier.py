@@ -44,7 +44,12 @@ def job_identity(args) -> dict:
     "run": a digest of RUN_ARGS}. It survives the job's restarts (torchrun's new run ids,
     other nodes, other layouts); another job, or the same folder with other run arguments,
     gets another."""
-    run = json.dumps({k: getattr(args, k, None) for k in RUN_ARGS}, sort_keys=True, default=str)
+    defining = {k: getattr(args, k, None) for k in RUN_ARGS}
+    if not defining.get("group_query_attention"):
+        # Megatron-LM's trainer sets num_query_groups by the layout without GQA (1 at TP1, the
+        # head count at TP2: measured on 0.19.2); it defines nothing then
+        defining["num_query_groups"] = None
+    run = json.dumps(defining, sort_keys=True, default=str)
     if getattr(args, "save", None):
         job = local_piece.job_id(args.save, create=True)
     elif getattr(args, "load", None):
