@@ -6,6 +6,7 @@ The other release's interpreter is UCP_OTHER_PYTHON (run.sh sets it when the oth
 Without it these tests skip, saying so; with UCP_REQUIRE_OTHER=1 (CI) they fail instead.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -103,3 +104,50 @@ def test_torch_dist_of_the_other_release_converts_and_resumes_here(other, tmp_pa
                      tmp_path / "w_mine")
     assert sorted(losses(mine, "resume_converted")) == list(range(K + 1, N + 1))
     assert max_loss_delta(losses(theirs, "torch_dist_theirs"), losses(mine, "resume_converted")) <= TOL
+
+
+# One job script for every release (issue 49): the command line of a user who moves a 0.16 job
+# (the own loop) to 0.19 (Megatron-LM's trainer) unchanged. No --tokenizer-type (mock data takes
+# a NullTokenizer of --vocab-size entries in both, nothing downloaded), no --eval-interval (0.19's
+# default used to fail), the same --train-iters throughout (Megatron-LM's scheduler checks it).
+# The flags whose defaults differ between the two are given (README "One job script").
+JOB = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+       "--global-batch-size", "4", "--lr", "5e-3", "--lr-decay-style", "constant", "--attention-dropout", "0",
+       "--hidden-dropout", "0", "--eval-iters", "1", "--vocab-size", "300", "--ckpt-format", "universal",
+       "--train-iters", "6"]
+
+
+def _job(python, work, ckpt, resume: bool):
+    """The job script: train (saving every 3) or resume (`--load DIR --load-universal`)."""
+    from mlm_harness import run
+
+    load = ["--load", str(ckpt), "--load-universal"] if resume else []
+    return run(python, work, 1, ["--save", str(ckpt), "--save-interval", "3"] + load, 6, base=JOB).check()
+
+
+def _first_half(ckpt, into):
+    """A job stopped after iteration 3: the reference's iteration 3 alone, its tracker at 3."""
+    import shutil
+
+    shutil.copytree(ckpt / "iter_0000003", into / "iter_0000003")
+    (into / "latest_checkpointed_iteration.txt").write_text("3\n")
+
+
+def test_one_job_script_resumes_on_both_releases(other, tmp_path):
+    from mlm_harness import max_delta
+
+    runs = {}
+    for name, python in (("mine", sys.executable), ("theirs", other)):
+        ref = _job(python, tmp_path / name / "ref", tmp_path / name / "ref_ckpt", resume=False)
+        _first_half(tmp_path / name / "ref_ckpt", tmp_path / name / "job_ckpt")
+        resumed = _job(python, tmp_path / name / "resume", tmp_path / name / "job_ckpt", resume=True)
+        assert sorted(resumed.losses()) == [4, 5, 6], resumed.output[-3000:]
+        assert max_delta(ref.losses(), resumed.losses(), range(4, 7)) <= TOL, name
+        assert "GPT2BPE" not in resumed.output and "wget" not in resumed.output
+        runs[name] = json.loads((tmp_path / name / "ref_ckpt" / "iter_0000003" / "ucp.json").read_text())
+    # the same model: the same true and padded vocabulary, the same tensors
+    assert runs["mine"]["architecture"] == runs["theirs"]["architecture"]
+    assert runs["mine"]["architecture"]["vocab_size"] == 300
+    assert runs["mine"]["layout"]["padded_vocab_size"] == runs["theirs"]["layout"]["padded_vocab_size"]
+    assert sorted(runs["mine"]["tensors"]) == sorted(runs["theirs"]["tensors"])

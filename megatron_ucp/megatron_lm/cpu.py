@@ -94,6 +94,11 @@ def enable() -> None:
     initialize.torch = _InitializeTorch()
     # initialize.py:494-558: the JIT warm-up of the fused bias-GeLU/dropout kernels runs on 'cuda'.
     initialize._warmup_jit_function = lambda *a, **k: None
+    # A Megatron-LM 0.16 clone's initialize.py:224/228 builds megatron/legacy's fused softmax
+    # kernels with nvcc (fused_kernels.load: CUDA_HOME + "/bin/nvcc", a TypeError where there is
+    # no CUDA); a CPU process uses none of them (0.17 and later no longer build them).
+    if hasattr(initialize, "fused_kernels"):
+        initialize.fused_kernels = types.SimpleNamespace(load=lambda *a, **k: None)
     # arguments.py:1414: get_device_arch_version() asks torch.cuda.get_device_properties; a CPU
     # process takes the pre-Blackwell answer, and with it 1437's demand for one CUDA stream
     # connection under TP, which a process without CUDA streams meets as set.
