@@ -140,10 +140,45 @@ def _mla_without_te():
     mla.HAVE_TE = False
 
 
+def _expert_bias_out_of_place():
+    """An expert MLP with biases adds its bias in place, scaled by the router's probabilities, to
+    linear_fc2's output (mlp.py:354 in 0.19.2, 247 in 0.16.1): with the local spec at expert
+    TP1 x EP1 that output is what _ReduceFromModelParallelRegion returned as-is, a view that
+    autograd forbids to modify ("Output 0 of _ReduceFromModelParallelRegion is a view and is
+    being modified inplace"); GPU jobs on the local spec fail the same. linear_fc2's output gets
+    the scaled bias out of place instead (a forward hook for the call), and megatron's branch,
+    seeing no bias left, skips the in-place add: the same sum, in the output's dtype."""
+    mlp = importlib.import_module("megatron.core.transformer.mlp")
+    original = mlp.MLP.forward
+    if getattr(original, "_ucp_bias_out_of_place", False):
+        return
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is None:
+            return original(self, hidden_states, per_token_scale, **kwargs)
+
+        def add_bias(module, inputs, result):
+            output, bias = result
+            if bias is None:
+                return result
+            return (output + bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)).to(output.dtype), None
+
+        handle = self.linear_fc2.register_forward_hook(add_bias)
+        try:
+            return original(self, hidden_states, per_token_scale, **kwargs)
+        finally:
+            handle.remove()
+
+    forward._ucp_bias_out_of_place = True
+    mlp.MLP.forward = forward
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    _expert_bias_out_of_place()  # the local spec's, which runs with TE installed too
     if not _have("transformer_engine") and not _have("apex.normalization"):
         _torch_norm_with_sequence_parallel()
     if not _have("transformer_engine"):
