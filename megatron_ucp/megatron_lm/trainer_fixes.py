@@ -3,6 +3,7 @@ flags; each mend applies only where the installed release has the bug."""
 
 import functools
 import importlib
+import importlib.util
 
 import torch
 
@@ -51,6 +52,8 @@ def _no_eval_interval():
     a resume, in build_train_valid_test_data_loaders (4532; 3354). Inside them None reads as an
     interval longer than the run: the validation split sized for the one evaluation after
     training, none consumed before it."""
+    if importlib.util.find_spec("megatron.training") is None:  # megatron-core alone (0.16's wheel)
+        return
     training = importlib.import_module("megatron.training.training")
     for name in ("get_train_valid_test_num_samples", "build_train_valid_test_data_loaders"):
         original = getattr(training, name, None)
