@@ -8,6 +8,8 @@ Without it these tests skip, saying so; with UCP_REQUIRE_OTHER=1 (CI) they fail 
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -107,47 +109,39 @@ def test_torch_dist_of_the_other_release_converts_and_resumes_here(other, tmp_pa
 
 
 # One job script for every release (issue 49): the command line of a user who moves a 0.16 job
-# (the own loop) to 0.19 (Megatron-LM's trainer) unchanged. No --tokenizer-type (mock data takes
-# a NullTokenizer of --vocab-size entries in both, nothing downloaded), no --eval-interval (0.19's
-# default used to fail), the same --train-iters throughout (Megatron-LM's scheduler checks it).
-# The flags whose defaults differ between the two are given (README "One job script").
-JOB = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-       "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
-       "--global-batch-size", "4", "--lr", "5e-3", "--lr-decay-style", "constant", "--attention-dropout", "0",
-       "--hidden-dropout", "0", "--eval-iters", "1", "--vocab-size", "300", "--ckpt-format", "universal",
-       "--train-iters", "6"]
+# (the own loop) to 0.19 (Megatron-LM's trainer) unchanged, as README "Which trainer" gives it:
+# no --tokenizer-type (mock data takes a NullTokenizer of --vocab-size entries in both, nothing
+# downloaded), no --eval-interval (0.19's default used to fail), `--load ckpt --load-universal`
+# (the plug-in's parser refused it), the same --train-iters throughout (Megatron-LM's scheduler
+# checks it). Run as written, in a folder of its own (its `ckpt` relative).
+def readme_job() -> list:
+    from test_readme_usage import section_commands
 
-
-def _job(python, work, ckpt, resume: bool):
-    """The job script: train (saving every 3) or resume (`--load DIR --load-universal`)."""
-    from mlm_harness import run
-
-    load = ["--load", str(ckpt), "--load-universal"] if resume else []
-    return run(python, work, 1, ["--save", str(ckpt), "--save-interval", "3"] + load, 6, base=JOB).check()
-
-
-def _first_half(ckpt, into):
-    """A job stopped after iteration 3: the reference's iteration 3 alone, its tracker at 3."""
-    import shutil
-
-    shutil.copytree(ckpt / "iter_0000003", into / "iter_0000003")
-    (into / "latest_checkpointed_iteration.txt").write_text("3\n")
+    commands = section_commands((REPO / "README.md").read_text(), "## Which trainer")
+    [command] = [c for c in commands if "pretrain_gpt_ucp.py" in c]
+    return shlex.split(command.split("pretrain_gpt_ucp.py", 1)[1])
 
 
 def test_one_job_script_resumes_on_both_releases(other, tmp_path):
-    from mlm_harness import max_delta
+    """The README's command trains to 6 (saving at 3 and 6) on each release; the same command
+    resumes a folder holding that run's iteration 3 (a job stopped there): iterations 4-6
+    within TOL of the uninterrupted run's, on each. Both build the same model."""
+    from mlm_harness import max_delta, run
 
-    runs = {}
+    job = readme_job()
+    assert "--load-universal" in job and "--tokenizer-type" not in job and "--eval-interval" not in job
+    manifests = {}
     for name, python in (("mine", sys.executable), ("theirs", other)):
-        ref = _job(python, tmp_path / name / "ref", tmp_path / name / "ref_ckpt", resume=False)
-        _first_half(tmp_path / name / "ref_ckpt", tmp_path / name / "job_ckpt")
-        resumed = _job(python, tmp_path / name / "resume", tmp_path / name / "job_ckpt", resume=True)
+        ref = run(python, tmp_path / name / "ref", 1, [], 6, base=job).check()
+        resume_dir = tmp_path / name / "resume"
+        shutil.copytree(tmp_path / name / "ref" / "ckpt" / "iter_0000003", resume_dir / "ckpt" / "iter_0000003")
+        (resume_dir / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3\n")
+        resumed = run(python, resume_dir, 1, [], 6, base=job).check()
         assert sorted(resumed.losses()) == [4, 5, 6], resumed.output[-3000:]
         assert max_delta(ref.losses(), resumed.losses(), range(4, 7)) <= TOL, name
         assert "GPT2BPE" not in resumed.output and "wget" not in resumed.output
-        runs[name] = json.loads((tmp_path / name / "ref_ckpt" / "iter_0000003" / "ucp.json").read_text())
-    # the same model: the same true and padded vocabulary, the same tensors
-    assert runs["mine"]["architecture"] == runs["theirs"]["architecture"]
-    assert runs["mine"]["architecture"]["vocab_size"] == 300
-    assert runs["mine"]["layout"]["padded_vocab_size"] == runs["theirs"]["layout"]["padded_vocab_size"]
-    assert sorted(runs["mine"]["tensors"]) == sorted(runs["theirs"]["tensors"])
+        manifests[name] = json.loads((tmp_path / name / "ref" / "ckpt" / "iter_0000003" / "ucp.json").read_text())
+    # the same model: the same architecture (true vocabulary included), padding and tensors
+    assert manifests["mine"]["architecture"] == manifests["theirs"]["architecture"]
+    assert manifests["mine"]["layout"]["padded_vocab_size"] == manifests["theirs"]["layout"]["padded_vocab_size"]
+    assert sorted(manifests["mine"]["tensors"]) == sorted(manifests["theirs"]["tensors"])

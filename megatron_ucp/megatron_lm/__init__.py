@@ -7,7 +7,7 @@ megatron-core >= 0.17, or a Megatron-LM clone's beside an earlier wheel).
 
 `install()` changes the trainer in these places, and nowhere else (docs/megatron_lm.md):
 - its parser (flags.py): `--ckpt-format` gains `universal`, and the project's flags join it
-  (checkpoint flags, `--elastic`, `--loss-log`, `--cpu`);
+  (checkpoint flags, `--load-universal`, `--elastic`, `--loss-log`, `--cpu`);
 - `validate_args` (elastic.py): with `--elastic`, the layout is chosen for the world size first;
 - `validate_args` (fsdp_flags.py): a universal FSDP run passes the checks that name megatron's
   FSDP checkpoint formats;
@@ -18,7 +18,7 @@ megatron-core >= 0.17, or a Megatron-LM clone's beside an earlier wheel).
   the padded vocabulary is taken from the checkpoint before the model is built; every other
   case is Megatron-LM's own code;
 - `--cpu` only (cpu.py): the trainer's CUDA assumptions answered for CPU processes over gloo.
-Two megatron bugs that GPU users hit too are mended whatever the flags (trainer_fixes.py).
+Megatron bugs that GPU users hit too are mended whatever the flags (trainer_fixes.py).
 The training loop itself is untouched: every Megatron-LM flag works as Megatron-LM defines it.
 """
 

@@ -1,7 +1,8 @@
-"""MoE's last gaps on CPU and on the local spec (issue 49), each shown on the installed wheel
-first, then mended: the alltoall dispatcher's split sizes over gloo (mcore/cpu_mode.py) and the
-experts' bias added in place to a view (mcore/compat.py, a GPU bug of the local spec too).
-The trainer's MoE reference (tests/test_megatron_lm.py) trains and resumes both (EP2 -> EP1)."""
+"""The last gaps of CPU processes and of the local spec (issue 49), each shown on the installed
+wheel first, then mended: the alltoall MoE dispatcher's split sizes over gloo
+(mcore/cpu_mode.py), the experts' bias added in place to a view and --apply-layernorm-1p's
+zero-centered norms without apex (mcore/compat.py: GPU jobs on the local spec too). The
+trainer's MoE tests (tests/test_megatron_lm.py) train and resume alltoall and biased experts."""
 
 import os
 import subprocess
@@ -111,3 +112,51 @@ def test_an_experts_bias_is_added_out_of_place(tmp_path):
     mended = _bias(tmp_path, "mended")
     assert mended.get("BIAS") == "None", mended  # added to the output, as megatron's branch does
     assert float(mended["DELTA"]) < 1e-6 and float(mended["BIASGRAD"]) < 1e-5, mended
+
+
+NORM = textwrap.dedent("""
+    import sys, torch, warnings
+    warnings.filterwarnings("ignore")
+    from megatron_ucp.mcore import compat
+    if sys.argv[1] == "mended":
+        compat.apply()
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    for kind in ("LayerNorm", "RMSNorm"):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization=kind,
+                                   layernorm_zero_centered_gamma=True)
+        try:
+            norm = WrappedTorchNorm(config, 8, eps=1e-5)
+        except AssertionError as e:
+            print("REFUSED", kind, e)
+            continue
+        initial = float(norm.weight.abs().max())
+        with torch.no_grad():
+            norm.weight.uniform_(-0.5, 0.5)
+        plain = (torch.nn.LayerNorm if kind == "LayerNorm" else torch.nn.RMSNorm)(8, eps=1e-5)
+        with torch.no_grad():
+            plain.weight.copy_(norm.weight + 1)
+            if kind == "LayerNorm":
+                plain.bias.copy_(norm.bias)
+        print("NORM", kind, initial, float((norm(x) - plain(x)).abs().max()))
+""")
+
+
+def _norm(tmp_path, mode):
+    script = tmp_path / "norm.py"
+    script.write_text(NORM)
+    proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    return [line.split(" ") for line in proc.stdout.splitlines() if line.split(" ")[0] in ("NORM", "REFUSED")], proc
+
+
+def test_apply_layernorm_1p_without_apex_is_megatrons_zero_centered_gamma(tmp_path):
+    wheel, proc = _norm(tmp_path, "wheel")
+    assert [r[:2] for r in wheel] == [["REFUSED", "LayerNorm"], ["REFUSED", "RMSNorm"]], proc.stderr[-3000:]
+    mended, proc = _norm(tmp_path, "mended")
+    assert [r[:2] for r in mended] == [["NORM", "LayerNorm"], ["NORM", "RMSNorm"]], proc.stderr[-3000:]
+    for _, kind, initial, delta in mended:
+        assert float(initial) == 0.0, kind  # gamma - 1 starts at zero, as megatron's FusedLayerNorm
+        assert float(delta) < 1e-6, kind  # applied as 1 + weight
