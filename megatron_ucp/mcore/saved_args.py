@@ -71,6 +71,7 @@ def _set(args, name, value) -> None:
     read = SYNONYMS[name][1] if attribute != name else None
     setattr(args, attribute, read(value) if read else value)
 
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
