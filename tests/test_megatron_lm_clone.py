@@ -57,3 +57,20 @@ def test_the_plug_in_resumes_on_the_016_trainer_on_another_layout(clone_trainer,
     assert f"successfully loaded universal checkpoint from {ckpt} at iteration {K}" in resumed.output
     assert min(resumed.losses()) == K + 1
     assert max_delta(ref.losses(), resumed.losses(), range(K + 1, N + 1)) <= TOL
+
+
+def test_without_a_trainer_the_plug_in_says_what_to_add():
+    """A megatron-core without megatron.training (0.16.1's wheel alone): one line naming what is
+    missing and the two ways on, the command's prefix once (it was printed twice, and the refusal
+    was by version, so a clone's trainer beside the wheel was refused too)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.training") is not None:
+        pytest.skip("this interpreter's megatron-core has megatron.training")
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.megatron_lm", "--cpu",
+                           str(REPO / "megatron_ucp" / "megatron_lm" / "gpt.py")], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    lines = [line for line in proc.stderr.splitlines() if "megatron_ucp.megatron_lm: error:" in line]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].count("megatron_ucp.megatron_lm") == 1 and "without megatron.training" in lines[0]
+    assert "Megatron-LM clone" in lines[0] and "pretrain_gpt_ucp.py" in lines[0]
