@@ -72,17 +72,19 @@ class Run:
 
 def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout: int = 600,
         kill_after_iteration: int = None, base: list = BASE, as_script: bool = False,
-        hosts: list = None, kill_when=None) -> Run:
+        hosts: list = None, kill_when=None, path: tuple = ()) -> Run:
     """Train `base` + `extra` to `iters` in `nproc` CPU processes with pretrain_gpt_ucp.py (or,
     `as_script`, the GPT script through `python -m megatron_ucp.megatron_lm`); with
     `kill_after_iteration`, SIGTERM the whole process group once that iteration's loss is
     logged, as Slurm signals a job step (torchrun itself then exits 1, its SignalException;
     the workers save and exit); with `kill_when` (a test of the losses so far), SIGKILL torchrun
     and its workers once it holds (a lost node). `hosts`: the host name each rank pretends
-    (tests/pretend_host.py)."""
+    (tests/pretend_host.py). `path`: folders after the repository on PYTHONPATH (a Megatron-LM
+    clone's trainer beside an earlier wheel)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "loss.jsonl").unlink(missing_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), *map(str, path)]),
+               UCP_INLINE_HASH_BYTES="1")
     entry = ["-m", "megatron_ucp.megatron_lm", "--cpu", str(GPT_SCRIPT)] if as_script else [str(ENTRY), "--cpu"]
     if hosts:
         assert len(hosts) == nproc and not as_script

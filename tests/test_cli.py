@@ -21,6 +21,16 @@ def test_help_lists_every_command_with_a_line_and_an_example(capsys):
     assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err  # no command: usage, exit 2
 
 
+def test_the_readme_names_every_subcommand():
+    """README's sentence on the `megatron-ucp` command lists each subcommand (it left out
+    import-deepspeed and megatron-lm)."""
+    readme = (REPO / "README.md").read_text()
+    sentence = readme[readme.index("It installs one command, `megatron-ucp`"):]
+    sentence = sentence[:sentence.index(";")]
+    missing = [name for name in cli.COMMANDS if f"`{name}`" not in sentence]
+    assert not missing, f"README's subcommand list lacks {missing}"
+
+
 def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.startswith(f"megatron-ucp {__version__} (")

@@ -76,3 +76,23 @@ def test_coalesced_collectives_run_synchronously_on_cpu():
     gathers = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("GATHER")]
     assert len(gathers) == 3, proc.stderr[-3000:]
     assert all(works == "0" and done == "True" for _, works, done in gathers), gathers
+
+
+def test_the_trainers_cpu_mode_names_each_flag_it_ignores():
+    """`--fp8-format hybrid` and `--attention-backend fused` ran on CPU, exited 0 and changed
+    nothing (losses bit-identical): each gets a line at start-up (megatron_lm/cpu.py)."""
+    import argparse
+    import enum
+
+    from megatron_ucp.megatron_lm.cpu import ignored_flags
+
+    backend = enum.Enum("AttnBackend", "flash fused unfused local auto")
+    quiet = argparse.Namespace(transformer_impl="local", fp8=None, fp4=None, fp8_param_gather=False,
+                               attention_backend=backend.auto, use_flash_attn=False)
+    assert ignored_flags(quiet) == []
+    loud = argparse.Namespace(**{**vars(quiet), "fp8": "hybrid", "attention_backend": backend.fused})
+    lines = ignored_flags(loud)
+    assert len(lines) == 2 and all(line.startswith("WARNING: --cpu ignores --") for line in lines), lines
+    assert "--fp8-format" in lines[0] and "(hybrid given)" in lines[0]
+    assert "--attention-backend" in lines[1] and "(fused given)" in lines[1]
+    assert ignored_flags(argparse.Namespace(**{**vars(loud), "transformer_impl": "transformer_engine"})) == []

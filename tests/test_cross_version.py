@@ -6,7 +6,10 @@ The other release's interpreter is UCP_OTHER_PYTHON (run.sh sets it when the oth
 Without it these tests skip, saying so; with UCP_REQUIRE_OTHER=1 (CI) they fail instead.
 """
 
+import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -103,3 +106,42 @@ def test_torch_dist_of_the_other_release_converts_and_resumes_here(other, tmp_pa
                      tmp_path / "w_mine")
     assert sorted(losses(mine, "resume_converted")) == list(range(K + 1, N + 1))
     assert max_loss_delta(losses(theirs, "torch_dist_theirs"), losses(mine, "resume_converted")) <= TOL
+
+
+# One job script for every release (issue 49): the command line of a user who moves a 0.16 job
+# (the own loop) to 0.19 (Megatron-LM's trainer) unchanged, as README "Which trainer" gives it:
+# no --tokenizer-type (mock data takes a NullTokenizer of --vocab-size entries in both, nothing
+# downloaded), no --eval-interval (0.19's default used to fail), `--load ckpt --load-universal`
+# (the plug-in's parser refused it), the same --train-iters throughout (Megatron-LM's scheduler
+# checks it). Run as written, in a folder of its own (its `ckpt` relative).
+def readme_job() -> list:
+    from test_readme_usage import section_commands
+
+    commands = section_commands((REPO / "README.md").read_text(), "## Which trainer")
+    [command] = [c for c in commands if "pretrain_gpt_ucp.py" in c]
+    return shlex.split(command.split("pretrain_gpt_ucp.py", 1)[1])
+
+
+def test_one_job_script_resumes_on_both_releases(other, tmp_path):
+    """The README's command trains to 6 (saving at 3 and 6) on each release; the same command
+    resumes a folder holding that run's iteration 3 (a job stopped there): iterations 4-6
+    within TOL of the uninterrupted run's, on each. Both build the same model."""
+    from mlm_harness import max_delta, run
+
+    job = readme_job()
+    assert "--load-universal" in job and "--tokenizer-type" not in job and "--eval-interval" not in job
+    manifests = {}
+    for name, python in (("mine", sys.executable), ("theirs", other)):
+        ref = run(python, tmp_path / name / "ref", 1, [], 6, base=job).check()
+        resume_dir = tmp_path / name / "resume"
+        shutil.copytree(tmp_path / name / "ref" / "ckpt" / "iter_0000003", resume_dir / "ckpt" / "iter_0000003")
+        (resume_dir / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3\n")
+        resumed = run(python, resume_dir, 1, [], 6, base=job).check()
+        assert sorted(resumed.losses()) == [4, 5, 6], resumed.output[-3000:]
+        assert max_delta(ref.losses(), resumed.losses(), range(4, 7)) <= TOL, name
+        assert "GPT2BPE" not in resumed.output and "wget" not in resumed.output
+        manifests[name] = json.loads((tmp_path / name / "ref" / "ckpt" / "iter_0000003" / "ucp.json").read_text())
+    # the same model: the same architecture (true vocabulary included), padding and tensors
+    assert manifests["mine"]["architecture"] == manifests["theirs"]["architecture"]
+    assert manifests["mine"]["layout"]["padded_vocab_size"] == manifests["theirs"]["layout"]["padded_vocab_size"]
+    assert sorted(manifests["mine"]["tensors"]) == sorted(manifests["theirs"]["tensors"])

@@ -124,7 +124,9 @@ def test_resume_keeps_the_saved_schedule_unless_overridden(tmp_path):
              for n in names]
     run_steps(1, steps, tmp_path)
     lr = {n: {r["iteration"]: r["lr"] for r in _log(tmp_path / f"{n}.jsonl")} for n in names}
-    assert lr["first"][4] == 0.0 and sorted(lr["kept"]) == [5, 6, 7, 8]
+    # "lr" is the rate the iteration's update used, as the trainer's --loss-log writes it: the
+    # first update uses the full rate (it was the next one's, decayed, before)
+    assert lr["first"][1] == 5e-3 and lr["first"][4] > 0 and sorted(lr["kept"]) == [5, 6, 7, 8]
     assert all(v == 0.0 for v in lr["kept"].values()), lr["kept"]
     assert lr["override"][5] > 0
     assert [lr["override"][i] for i in range(5, 9)] == pytest.approx([lr["reference"][i] for i in range(5, 9)])
@@ -252,3 +254,15 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
     ok(results, "reference")
     error = results["rng_missing"].get("error", "")
     assert "rank_00001.json" in error and "--no-load-rng" in error, results["rng_missing"]
+
+
+def test_loss_log_read_takes_the_training_lines_of_either_loop(tmp_path):
+    """The own loop writes validation lines into --loss-log between the training lines; read()
+    (documented for either loop's log) returned KeyError 'loss' on them."""
+    from megatron_ucp.megatron_lm import loss_log
+
+    log = tmp_path / "loss.jsonl"
+    log.write_text('{"iteration": 1, "loss": 5.0, "lr": 0.1}\n'
+                   '{"iteration": 1, "validation_loss": 4.0, "validation_ppl": 54.6}\n'
+                   '{"iteration": 2, "loss": 4.5, "lr": 0.1}\n{"iteration": 3, "lo')
+    assert loss_log.read(log) == {1: 5.0, 2: 4.5}

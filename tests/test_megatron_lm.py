@@ -27,7 +27,9 @@ SP = ["--sequence-parallel"]
 DIST = ["--use-distributed-optimizer"]
 VPP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+# alltoall, the common dispatcher (issue 49: it failed on CPU); experts with biases below
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--disable-bias-linear"]
 # MLA with compressed queries, key heads of 8 + 4 rotary channels and value heads of 6.
 MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
        "--qk-layernorm", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "8",
@@ -102,7 +104,10 @@ def test_a_wrong_state_with_intact_checksums_is_refused_by_the_resume_proof(pyth
 def test_resume_with_another_padded_vocabulary(python, reference, tmp_path):
     """On PP2, --make-vocab-size-divisible-by 100 pads 250 to 300; the checkpoint's 256 rows are
     kept (padding rows take part in the softmax) and the loss continues."""
-    r = resume(python, reference, tmp_path, 2, PP2, ["--make-vocab-size-divisible-by", "100"])
+    # --attention-backend fused: accepted and ignored by the CPU mode's local spec, which says so
+    r = resume(python, reference, tmp_path, 2, PP2, ["--make-vocab-size-divisible-by", "100",
+                                                     "--attention-backend", "fused"])
+    assert "WARNING: --cpu ignores --attention-backend: the local spec's attention is megatron's" in r.output
     assert f"successfully loaded universal checkpoint from {reference['ckpt']} at iteration {K}" in r.output
     assert min(r.losses()) == K + 1
     assert "keeping the checkpoint's padded vocabulary of 256 rows (instead of 300)" in r.output
@@ -140,6 +145,11 @@ def test_a_torch_dist_job_switches_to_universal(python, reference, tmp_path):
     # --exit-interval: the same --train-iters throughout (megatron's scheduler checks it on load).
     run(python, tmp_path / "a", 2, TP2 + DIST + ["--ckpt-format", "torch_dist", "--save", str(ckpt),
                                                      "--save-interval", str(K), "--exit-interval", str(K)], N).check()
+    # --load-universal: that folder is a universal checkpoint or an error naming what it holds
+    refused = run(python, tmp_path / "refused", 2, TP2 + DIST + UNIVERSAL + ["--load", str(ckpt), "--load-universal"], N)
+    lines = [line for line in refused.output.splitlines() if "not the universal one --load-universal asks for" in line]
+    assert refused.returncode != 0 and lines, refused.output[-3000:]
+    assert f"{ckpt / f'iter_{K:07d}'}: holds a torch_dist checkpoint" in lines[0]
     b = run(python, tmp_path / "b", 2, TP2 + DIST + UNIVERSAL + ["--load", str(ckpt), "--save", str(ckpt),
                                                           "--save-interval", str(K),
                                                           "--exit-interval", str(2 * K)], N).check()
@@ -171,6 +181,19 @@ def test_moe_resumes_from_ep2_on_another_layout(python, moe_reference, tmp_path,
     r = run(python, tmp_path, 2, MOE + layout + UNIVERSAL + ["--load", str(moe_reference["ckpt"]),
                                                             "--ckpt-step", str(K)], N).check()
     assert max_delta(moe_reference["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
+
+
+def test_moe_with_expert_biases_resumes_from_ep2_on_ep1(python, tmp_path):
+    """Experts with biases (megatron allows them at expert TP1 only) on the local spec: their
+    bias add failed from scratch (mcore/compat.py); EP2 saves, EP1 x DP2 resumes within TOL."""
+    ckpt = tmp_path / "ckpt"
+    biased = [f for f in MOE if f != "--disable-bias-linear"]
+    ref = run(python, tmp_path / "ref", 2, biased + ["--expert-model-parallel-size", "2"] + UNIVERSAL
+              + ["--save", str(ckpt), "--save-interval", str(K)], N).check()
+    r = run(python, tmp_path / "ep1", 2, biased + DIST + UNIVERSAL + ["--load", str(ckpt), "--ckpt-step", str(K)],
+            N).check()
+    assert min(r.losses()) == K + 1
+    assert max_delta(ref.losses(), r.losses(), range(K + 1, N + 1)) <= TOL
 
 
 def test_mla_resumes_from_tp2_on_pp2(python, tmp_path):
@@ -352,7 +375,7 @@ SHARED = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "
           "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
           "--lr", "5e-3", "--lr-decay-style", "constant", "--seed", "7", "--make-vocab-size-divisible-by", "32",
           "--attention-dropout", "0", "--hidden-dropout", "0", "--weight-decay", "0.01", "--clip-grad", "1.0",
-          "--split", "90,5,5", "--tokenizer-type", "NullTokenizer"]
+          "--split", "90,5,5", "--tokenizer-type", "NullTokenizer", "--disable-bias-linear"]
 
 
 @pytest.fixture(scope="module")
@@ -384,10 +407,10 @@ def corpus(tmp_path_factory):
     return ["--data-path", "0.5", str(root / "A"), "0.5", str(root / "B")]
 
 
-def own_loop(python, workdir, extra, iters, save=None, load=None, step=None):
+def own_loop(python, workdir, extra, iters, save=None, load=None, step=None, shared=SHARED):
     from harness import losses, run_steps, train_step
 
-    argv = ["--cpu"] + SHARED + ["--vocab-size", "250"] + extra
+    argv = ["--cpu"] + shared + ["--vocab-size", "250"] + extra
     step_ = train_step("run", argv, iters=iters, save=save, interval=K, load=load, step=step)
     step_["argv"] = [a for a in step_["argv"] if a not in ("--mock-data",)]
     return losses(run_steps(2, [step_], workdir, python=python), "run")
@@ -400,18 +423,27 @@ ON_CORPUS = SHARED + ["--vocab-size", "251"] + TRAINER_ONLY
 
 def test_own_loop_checkpoint_resumes_in_megatron_lm_and_back(python, own_loop_python, corpus, tmp_path):
     """Saved by the own loop (0.16.1, TP2) -> resumed by Megatron-LM's trainer (0.19.2, PP2); saved
-    by the trainer (TP2) -> resumed by the own loop (PP2); each within TOL of its uninterrupted run."""
+    by the trainer (TP2) -> resumed by the own loop (PP2); each within TOL of its uninterrupted run.
+    The trainer resumes with the own loop's --vocab-size 250 and --use-checkpoint-args: the
+    checkpoint's 251 entries are 251 to its NullTokenizer (issue 46: it took 250, one short)."""
     own_ckpt, mlm_ckpt = tmp_path / "own_ckpt", tmp_path / "mlm_ckpt"
     own_ref = own_loop(own_loop_python, tmp_path / "own_ref", TP2 + corpus, N, save=str(own_ckpt))
+    # no --disable-bias-linear either: the model's shape is the checkpoint's, which Megatron-LM
+    # calls add_bias_linear (issue 46: "add_bias_linear: checkpoint False, model True")
     in_mlm = run(python, tmp_path / "in_mlm", 2, PP2 + corpus + UNIVERSAL
-                 + ["--load", str(own_ckpt), "--ckpt-step", str(K)], N,
-                 base=ON_CORPUS).check()
+                 + ["--load", str(own_ckpt), "--ckpt-step", str(K), "--vocab-size", "250", "--use-checkpoint-args"], N,
+                 base=[f for f in ON_CORPUS if f != "--disable-bias-linear"]).check()
+    assert "--use-checkpoint-args: --vocab-size 251 from the checkpoint (was 250)" in in_mlm.output
+    assert "--use-checkpoint-args: --disable-bias-linear True from the checkpoint (was False)" in in_mlm.output
     assert max_delta(own_ref, in_mlm.losses(), range(K + 1, N + 1)) <= TOL
 
     mlm_ref = run(python, tmp_path / "mlm_ref", 2, TP2 + corpus + UNIVERSAL
                   + ["--save", str(mlm_ckpt), "--save-interval", str(K)], N,
                   base=ON_CORPUS).check()
-    in_own = own_loop(own_loop_python, tmp_path / "in_own", PP2 + corpus, N, load=str(mlm_ckpt), step=K)
+    # the trainer's --vocab-size 251 and --use-checkpoint-args: 250 to the own loop (it adds EOD)
+    in_own = own_loop(own_loop_python, tmp_path / "in_own", PP2 + corpus + ["--vocab-size", "251",
+                                                                            "--use-checkpoint-args"],
+                      N, load=str(mlm_ckpt), step=K, shared=[f for f in SHARED if f != "--disable-bias-linear"])
     assert max_delta(mlm_ref.losses(), in_own, range(K + 1, N + 1)) <= TOL
 
 
@@ -474,3 +506,34 @@ def test_override_opt_param_scheduler_takes_the_command_lines_schedule(python, c
     assert min(r.losses()) == K + 1
     expected = {i: megatron_lr(i, 1e-2, 2e-4, 2, N) for i in range(K + 1, N + 1)}
     assert {i: lr_log(r)[i] for i in range(K + 1, N + 1)} == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_synonym_table_is_the_trainers_parser(python):
+    """Each model argument --use-checkpoint-args adopts has, in Megatron-LM's parser, the own
+    loop's name or a synonym of mcore/saved_args.SYNONYMS (negated where one flag stores false)."""
+    import subprocess
+
+    from harness import REPO
+    from megatron_ucp.mcore.flags import build_parser
+    from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS, SYNONYMS
+
+    code = ("import argparse, json; from megatron.training.arguments import add_megatron_arguments; "
+            "p = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)); "
+            "print(json.dumps({o: [a.dest, a.const if a.nargs == 0 else None] for a in p._actions "
+            "for o in a.option_strings}))")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    own = {a.dest: a for a in build_parser()._actions}
+    for name in CHECKPOINT_ARGS:
+        flag = own[name].option_strings[0]
+        assert flag in theirs, f"{flag} is not a flag of Megatron-LM's trainer"
+        dest, const = theirs[flag]
+        if dest == name:
+            assert name not in SYNONYMS
+            continue
+        assert SYNONYMS.get(name, (None,))[0] == dest, f"{flag}: the trainer stores {dest}, not in SYNONYMS"
+        read = SYNONYMS[name][1]
+        if own[name].nargs == 0:
+            assert (read(True) if read else True) == const, f"{flag}: the trainer stores {dest}={const}"

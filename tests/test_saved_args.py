@@ -113,3 +113,84 @@ def test_use_checkpoint_args_refuses_before_building(tmp_path):
     assert r.returncode != 0
     assert len(errors) == 1 and "'args.num_layers' is 100000, but 'architecture.num_layers' is 2" in errors[0], r.stderr[-2000:]
     assert time.perf_counter() - start < 90
+
+
+# -- another trainer's arguments (issue 46, item 5): Megatron-LM's trainer stores
+# --disable-bias-linear as add_bias_linear and --norm-epsilon as layernorm_epsilon, and counts
+# a NullTokenizer's --vocab-size by release; the adopted model must be the checkpoint's. --
+
+def _megatron_lm_saved(tmp_path, **change):
+    """The fixture's manifest with the arguments as Megatron-LM's trainer names them."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE, root)
+    path = root / "iter_0000004" / "ucp.json"
+    m = json.loads(path.read_text())
+    args = {k: v for k, v in m["args"].items() if k not in ("disable_bias_linear", "norm_epsilon")}
+    m["args"] = dict(args, add_bias_linear=False, layernorm_epsilon=1e-5, **change)
+    path.write_text(json.dumps(m))
+    return read_manifest(str(root / "iter_0000004"))
+
+
+def _trainer_namespace(**values):
+    """The model arguments of Megatron-LM's trainer (its attribute names) for a biased model."""
+    import argparse
+
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, add_bias_linear=True,
+                layernorm_epsilon=1e-6, vocab_size=100, tokenizer_type="NullTokenizer")
+    return argparse.Namespace(**{**base, **values})
+
+
+def test_megatron_lm_names_pass_the_check_and_are_adopted_by_either_trainer(tmp_path):
+    m = _megatron_lm_saved(tmp_path)
+    saved_args.check(m.args, CHECKPOINT_ARGS, m, "ucp.json")
+    trainer = _trainer_namespace()
+    saved_args.use_checkpoint_args(trainer, m.args, entries=250, extra=0)
+    assert (trainer.add_bias_linear, trainer.layernorm_epsilon, trainer.num_layers) == (False, 1e-5, 2)
+    assert not hasattr(trainer, "disable_bias_linear")
+    from megatron_ucp.mcore.flags import build_parser
+
+    own = build_parser().parse_args(["--hidden-size", "64"])
+    saved_args.use_checkpoint_args(own, m.args, entries=250, extra=0)
+    assert (own.disable_bias_linear, own.norm_epsilon, own.hidden_size) == (True, 1e-5, 32)
+
+
+def test_the_own_loops_names_are_adopted_by_megatron_lms_trainer():
+    """The run of the issue: saved with --disable-bias-linear by the own loop, read by the
+    trainer, whose model kept its bias ("add_bias_linear: checkpoint False, model True")."""
+    trainer = _trainer_namespace()
+    changed = saved_args.use_checkpoint_args(trainer, {"disable_bias_linear": True, "norm_epsilon": 1e-5})
+    assert (trainer.add_bias_linear, trainer.layernorm_epsilon) == (False, 1e-5)
+    assert ("disable_bias_linear", False, True) in changed
+
+
+@pytest.mark.parametrize("extra,flag", [(1, 600), (0, 601), (None, 100)])
+def test_the_vocabulary_is_the_checkpoints_as_this_tokenizer_counts_it(extra, flag):
+    """601 entries saved: --vocab-size 600 where the NullTokenizer adds EOD (own loop, Megatron-LM
+    0.16), 601 where it does not (0.17+), the command line's where the flag is no vocabulary."""
+    for saved in ({"vocab_size": 601}, {"vocab_size": 600, "eod_token": 600}, {"vocab_size": 600}):
+        trainer = _trainer_namespace()
+        saved_args.use_checkpoint_args(trainer, saved, entries=601, extra=extra)
+        assert trainer.vocab_size == flag, saved
+
+
+def test_a_megatron_lm_016_vocabulary_passes_the_check(tmp_path):
+    """0.16's trainer stores --vocab-size 249 for 250 entries (its NullTokenizer adds EOD); 248
+    is another model."""
+    m = _megatron_lm_saved(tmp_path, vocab_size=249, tokenizer_type="NullTokenizer")
+    saved_args.check(m.args, CHECKPOINT_ARGS, m, "ucp.json")
+    m = _megatron_lm_saved(tmp_path / "b", vocab_size=248, tokenizer_type="NullTokenizer")
+    with pytest.raises(FormatError, match="'args.vocab_size' is 248, but 'architecture.vocab_size' is 250"):
+        saved_args.check(m.args, CHECKPOINT_ARGS, m, "ucp.json")
+
+
+@pytest.mark.parametrize("saved,model,words", [
+    (601, 600, "give this run a --vocab-size 1 larger"), (600, 601, "give this run a --vocab-size 1 smaller")])
+def test_a_vocabulary_mismatch_names_the_cause_and_the_fix(saved, model, words):
+    from megatron_ucp.errors import LayoutError
+    from megatron_ucp.format.manifest import check_architecture
+
+    with pytest.raises(LayoutError) as e:
+        check_architecture({"vocab_size": saved, "hidden_size": 8}, {"vocab_size": model, "hidden_size": 8}, "CKPT")
+    message = str(e.value)
+    assert f"vocab_size: checkpoint {saved}, model {model}" in message and words in message, message
+    assert "--use-checkpoint-args" in message and "NullTokenizer" in message and "\n" not in message

@@ -2,6 +2,7 @@
 each reproduced on the installed wheel first, then shown mended."""
 
 import importlib
+import importlib.util
 import types
 
 import pytest
@@ -55,3 +56,24 @@ def test_dp_reshardable_state_copies_run_without_grad(restore):
     distrib.DistributedOptimizer.load_parameter_state_from_dp_reshardable(fake, state)
     assert torch.equal(model_param.detach(), torch.ones(4))
     assert getattr(distrib.DistributedOptimizer.load_parameter_state_from_dp_zero, "_ucp_no_grad", False)
+
+
+def test_no_eval_interval_sizes_one_evaluation_after_training(monkeypatch):
+    """--eval-interval's default None: megatron's sample counts divided by it (TypeError, 0.19.2
+    training.py:4481); mended, the validation split holds the one evaluation after training."""
+    if importlib.util.find_spec("megatron.training") is None:
+        pytest.skip("megatron-core without megatron.training (0.16's wheel): no trainer to mend")
+    training = importlib.import_module("megatron.training.training")
+    global_vars = importlib.import_module("megatron.training.global_vars")
+    for name in ("get_train_valid_test_num_samples", "build_train_valid_test_data_loaders"):
+        fn = getattr(training, name)  # the wheel's own, whether or not an earlier test mended it
+        monkeypatch.setattr(training, name, fn.__wrapped__ if getattr(fn, "_ucp_eval_interval", False) else fn)
+    args = types.SimpleNamespace(train_samples=None, train_iters=10, global_batch_size=8, full_validation=False,
+                                 skip_train=False, eval_interval=None, eval_iters=3, start_eval_at_iter=None,
+                                 phase_transition_iterations=None)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    with pytest.raises(TypeError):
+        training.get_train_valid_test_num_samples()
+    trainer_fixes.apply()
+    train, valid, test = training.get_train_valid_test_num_samples()[:3]
+    assert (train, valid, test) == (80, 24, 24) and args.eval_interval is None

@@ -264,7 +264,20 @@ def check_architecture(saved: dict, current: dict, path: str) -> None:
     diffs = [f"{k}: checkpoint {'(none)' if saved.get(k, missing) is missing else repr(saved[k])}, model {v!r}"
              for k, v in current.items() if saved.get(k, missing) != v]
     if diffs:
-        raise LayoutError(f"{path}: checkpoint does not fit the model ({'; '.join(diffs)})")
+        hint = vocabulary_hint(saved.get("vocab_size"), current.get("vocab_size"))
+        raise LayoutError(f"{path}: checkpoint does not fit the model ({'; '.join(diffs)})" + hint)
+
+
+def vocabulary_hint(saved, model) -> str:
+    """Why the true vocabularies may differ, and the fix (where they do): the model's is its
+    tokenizer's entries, and a NullTokenizer counts --vocab-size differently by trainer."""
+    if not (isinstance(saved, int) and isinstance(model, int)) or saved == model:
+        return ""
+    more = saved - model
+    return (f"; vocab_size counts the tokenizer's entries: give this run a --vocab-size {abs(more)} "
+            f"{'larger' if more > 0 else 'smaller'} (a NullTokenizer has --vocab-size + 1 entries in "
+            "pretrain_gpt_ucp.py's own loop and in Megatron-LM 0.16's trainer, --vocab-size in 0.17's and "
+            "later), or --use-checkpoint-args to take it from the checkpoint")
 
 
 def _words(n, bits: int):

@@ -1,4 +1,5 @@
-"""Gaps of megatron-core when neither NVIDIA apex nor transformer-engine is installed.
+"""Gaps of megatron-core when neither NVIDIA apex nor transformer-engine is installed, and of
+its local spec (which runs with them installed too).
 
 These are not about the CPU: a GPU job without TE hits them too. Each patch has a one-line
 reason and applies only when the component it replaces is absent and the installed
@@ -53,6 +54,56 @@ def _torch_norm_with_sequence_parallel():
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _zero_centered_norms():
+    """WrappedTorchNorm (the local spec's norm without apex) refuses layernorm_zero_centered_gamma,
+    Megatron-LM's --apply-layernorm-1p (torch_norm.py:44 in 0.19.2, 27 in 0.16.1); GPU jobs
+    without apex too. Built as megatron's own FusedLayerNorm does it (fused_layer_norm.py:124/
+    133): the weight stored as gamma - 1, initialised to zero, applied as 1 + weight."""
+    import torch
+
+    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
+    original_new = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original_new, "_ucp_zero_centered", False):
+        return
+
+    @functools.wraps(original_new)
+    def new(cls, config, *args, **kwargs):
+        if not getattr(config, "layernorm_zero_centered_gamma", False):
+            return original_new(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.layernorm_zero_centered_gamma = False
+        norm = original_new(cls, plain, *args, **kwargs)
+        norm.__class__ = _ZERO_CENTERED[type(norm)]
+        with torch.no_grad():
+            norm.weight.zero_()
+        return norm
+
+    new._ucp_zero_centered = True
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _zero_centered_classes() -> dict:
+    """torch's LayerNorm and RMSNorm -> their zero-centered-gamma versions (1 + weight)."""
+    import torch
+    import torch.nn.functional as F
+
+    class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+    classes = {torch.nn.LayerNorm: ZeroCenteredLayerNorm}
+    if hasattr(torch.nn, "RMSNorm"):
+        class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+            def forward(self, x):
+                return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+        classes[torch.nn.RMSNorm] = ZeroCenteredRMSNorm
+    return classes
+
+
+_ZERO_CENTERED = {}
 
 
 def _router_gemm_without_te():
@@ -140,10 +191,48 @@ def _mla_without_te():
     mla.HAVE_TE = False
 
 
+def _expert_bias_out_of_place():
+    """An expert MLP with biases adds its bias in place, scaled by the router's probabilities, to
+    linear_fc2's output (mlp.py:354 in 0.19.2, 247 in 0.16.1): with the local spec at expert
+    TP1 x EP1 that output is what _ReduceFromModelParallelRegion returned as-is, a view that
+    autograd forbids to modify ("Output 0 of _ReduceFromModelParallelRegion is a view and is
+    being modified inplace"); GPU jobs on the local spec fail the same. linear_fc2's output gets
+    the scaled bias out of place instead (a forward hook for the call), and megatron's branch,
+    seeing no bias left, skips the in-place add: the same sum, in the output's dtype."""
+    mlp = importlib.import_module("megatron.core.transformer.mlp")
+    original = mlp.MLP.forward
+    if getattr(original, "_ucp_bias_out_of_place", False):
+        return
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is None:
+            return original(self, hidden_states, per_token_scale, **kwargs)
+
+        def add_bias(module, inputs, result):
+            output, bias = result
+            if bias is None:
+                return result
+            return (output + bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)).to(output.dtype), None
+
+        handle = self.linear_fc2.register_forward_hook(add_bias)
+        try:
+            return original(self, hidden_states, per_token_scale, **kwargs)
+        finally:
+            handle.remove()
+
+    forward._ucp_bias_out_of_place = True
+    mlp.MLP.forward = forward
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    _expert_bias_out_of_place()  # the local spec's, which runs with TE installed too
+    if not _have("apex.normalization"):  # the local spec's norm is then torch's
+        _ZERO_CENTERED.update(_zero_centered_classes())
+        _zero_centered_norms()
     if not _have("transformer_engine") and not _have("apex.normalization"):
         _torch_norm_with_sequence_parallel()
     if not _have("transformer_engine"):

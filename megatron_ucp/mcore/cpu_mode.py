@@ -440,6 +440,30 @@ def _patch_coalescing():
         module._coalescing_manager = _synchronous(module._coalescing_manager)
 
 
+def _split_sizes_as_numpy():
+    """The alltoall MoE dispatcher takes its split sizes as numpy arrays from
+    moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) (token_dispatcher.py:927-943 in 0.19.2,
+    876-892 in 0.16.1), which converts CUDA tensors only (moe_utils.py:1184; 1093): on CPU they
+    stay tensors, which gloo's all_to_all_single refuses (TypeError: it takes lists of ints). A
+    CPU tensor asked for as numpy is given as numpy, as the GPU path gets it."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "ucp_cpu_numpy", False):
+        return
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy, record_stream)
+
+    maybe_move_tensor_to_cpu.ucp_cpu_numpy = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    if getattr(dispatcher, "maybe_move_tensor_to_cpu", None) is original:  # imported by name
+        dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def enable() -> None:
     """Turn on CPU mode in this process (idempotent). Call before building models."""
     global _ENABLED
@@ -451,6 +475,7 @@ def enable() -> None:
     _patch_local_attention()
     _patch_fsdp2_mesh()
     _patch_coalescing()
+    _split_sizes_as_numpy()
     cpu_fsdp.enable(_TorchOnCpu, _CpuDeviceMesh)
     _fork_checkpoint_queue()
     _ENABLED = True

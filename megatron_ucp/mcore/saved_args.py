@@ -21,7 +21,7 @@ MAX_INT = 2**31 - 1  # every count and size megatron keeps fits an int32
 _SAME = {k: (k, None) for k in (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization",
     "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "position_embedding_type",
-    "qk_layernorm", "multi_latent_attention", "mtp_num_layers", "vocab_size")}
+    "qk_layernorm", "multi_latent_attention", "mtp_num_layers")}
 _MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 ARCHITECTURE_OF = {
     **_SAME,
@@ -29,6 +29,48 @@ ARCHITECTURE_OF = {
     "disable_bias_linear": ("add_bias_linear", lambda v: not v),
     "untie_embeddings_and_output_weights": ("share_embeddings_and_output_weights", lambda v: not v),
 }
+
+
+def _negated(v):
+    return (not v) if isinstance(v, bool) else v  # a non-switch stays itself, for `typed` to refuse
+
+
+# The same fact under another name in Megatron-LM's trainer: the own loop's name -> (the
+# trainer's, how either reads as the other). Its parser stores --disable-bias-linear as
+# add_bias_linear=False and --norm-epsilon as layernorm_epsilon; a checkpoint holds the names of
+# the trainer that saved it (tests/test_megatron_lm.py derives this table from the parser).
+SYNONYMS = {"disable_bias_linear": ("add_bias_linear", _negated),
+            "norm_epsilon": ("layernorm_epsilon", None)}
+
+
+def canonical(saved: dict) -> dict:
+    """`saved` (either trainer's arguments) with the own loop's name of each synonym too."""
+    out = dict(saved)
+    for own, (theirs, read) in SYNONYMS.items():
+        if own not in out and theirs in out:
+            out[own] = read(out[theirs]) if read else out[theirs]
+    return out
+
+
+def _uses(args, name) -> str:
+    """The attribute of `args` that holds `name`'s fact (the trainer's synonym where it has one)."""
+    if not hasattr(args, name) and name in SYNONYMS and hasattr(args, SYNONYMS[name][0]):
+        return SYNONYMS[name][0]
+    return name
+
+
+def _get(args, name):
+    attribute = _uses(args, name)
+    value = getattr(args, attribute, None)
+    read = SYNONYMS[name][1] if attribute != name else None
+    return read(value) if read else value
+
+
+def _set(args, name, value) -> None:
+    attribute = _uses(args, name)
+    read = SYNONYMS[name][1] if attribute != name else None
+    setattr(args, attribute, read(value) if read else value)
+
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
@@ -181,6 +223,11 @@ def against_checkpoint(saved: dict, names, architecture: dict, tensors: dict, pa
     problems = architecture_problems(architecture, tensors)
     if problems:
         raise FormatError(f"{path}: {problems[0]}")
+    vocab = saved.get("vocab_size")
+    if "vocab_size" in names and vocab is not None and architecture.get("vocab_size") is not None \
+            and not _vocab_agrees(saved, architecture["vocab_size"]):
+        raise FormatError(f"{path}: 'args.vocab_size' is {_shown(vocab)}, but 'architecture.vocab_size' is "
+                          f"{architecture['vocab_size']!r}; expected the arguments of the model the checkpoint holds")
     for name in names:
         if name not in saved or name not in ARCHITECTURE_OF or saved[name] is None:
             continue
@@ -208,10 +255,21 @@ def against_checkpoint(saved: dict, names, architecture: dict, tensors: dict, pa
         raise FormatError(f"{path}: 'args.make_vocab_size_divisible_by' is {divisor!r}, expected an integer >= 1")
 
 
+def _vocab_agrees(saved: dict, entries: int) -> bool:
+    """A saved --vocab-size that gives `entries` entries: the same number (the own loop keeps the
+    count with its EOD; 0.17+'s trainer), or one fewer beside a NullTokenizer that adds the EOD
+    (Megatron-LM 0.16's trainer stores the flag as given)."""
+    vocab = saved["vocab_size"]
+    return vocab == entries or (vocab == entries - 1 and saved.get("tokenizer_type") == "NullTokenizer"
+                                and saved.get("eod_token") is None)
+
+
 def check(saved: dict, names, manifest, path: str) -> None:
-    """`typed` and `against_checkpoint` for the adopted `names` of a universal manifest."""
+    """`typed` and `against_checkpoint` for the adopted `names` of a universal manifest (either
+    trainer's arguments: `canonical` names them)."""
     from megatron_ucp.mcore.flags import build_parser
 
+    saved = canonical(saved)
     typed(saved, names, build_parser(), path)
     eod = saved.get("eod_token") if "eod_token" in names else None
     if eod is not None and not (type(eod) is int and 0 <= eod <= MAX_INT):
@@ -235,15 +293,25 @@ CHECKPOINT_ARGS = (
 )
 
 
-def use_checkpoint_args(args, saved: dict, verbose: bool = False) -> list:
-    """Set the model arguments from `saved`; returns (and prints) the values it changed."""
+def use_checkpoint_args(args, saved: dict, verbose: bool = False, *, entries=None, extra=0) -> list:
+    """Set the model arguments from `saved` (either trainer's); returns (and prints) the values
+    it changed. `entries`: the checkpoint's true vocabulary (its architecture's), from which
+    --vocab-size is set as the running tokenizer reads it: `extra` is what that tokenizer adds to
+    the flag (1 where a NullTokenizer adds its EOD: the own loop, Megatron-LM 0.16's trainer; 0
+    where the flag is the vocabulary), None where the flag does not set the vocabulary (another
+    tokenizer: left alone)."""
     changed = []
-    if saved.get("eod_token") is not None:  # NullTokenizer: the flag's value; validate adds EOD
+    saved = canonical(saved)
+    if entries is not None:
+        saved.pop("vocab_size", None)
+        if extra is not None:
+            saved["vocab_size"] = entries - extra
+    elif saved.get("eod_token") is not None:  # NullTokenizer: the flag's value; validate adds EOD
         saved = dict(saved, vocab_size=saved["eod_token"])
     for name in CHECKPOINT_ARGS:
-        if name in saved and saved[name] != getattr(args, name, None):
-            changed.append((name, getattr(args, name, None), saved[name]))
-            setattr(args, name, saved[name])
+        if name in saved and saved[name] != _get(args, name):
+            changed.append((name, _get(args, name), saved[name]))
+            _set(args, name, saved[name])
     if verbose:
         for name, old, new in changed:
             if old is None:  # not given: derived later from the other arguments

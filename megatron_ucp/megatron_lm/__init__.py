@@ -1,5 +1,5 @@
-"""Universal checkpoints inside Megatron-LM's own trainer (`megatron.training`, shipped in
-megatron-core >= 0.17).
+"""Universal checkpoints inside Megatron-LM's own trainer (`megatron.training`: shipped in
+megatron-core >= 0.17, or a Megatron-LM clone's beside an earlier wheel).
 
     torchrun ... -m megatron_ucp.megatron_lm [--cpu] pretrain_gpt.py ARGS --ckpt-format universal
     # or, from inside a script, before it calls megatron.training.pretrain:
@@ -7,7 +7,7 @@ megatron-core >= 0.17).
 
 `install()` changes the trainer in these places, and nowhere else (docs/megatron_lm.md):
 - its parser (flags.py): `--ckpt-format` gains `universal`, and the project's flags join it
-  (checkpoint flags, `--elastic`, `--loss-log`, `--cpu`);
+  (checkpoint flags, `--load-universal`, `--elastic`, `--loss-log`, `--cpu`);
 - `validate_args` (elastic.py): with `--elastic`, the layout is chosen for the world size first;
 - `validate_args` (fsdp_flags.py): a universal FSDP run passes the checks that name megatron's
   FSDP checkpoint formats;
@@ -18,9 +18,11 @@ megatron-core >= 0.17).
   the padded vocabulary is taken from the checkpoint before the model is built; every other
   case is Megatron-LM's own code;
 - `--cpu` only (cpu.py): the trainer's CUDA assumptions answered for CPU processes over gloo.
-Two megatron bugs that GPU users hit too are mended whatever the flags (trainer_fixes.py).
+Megatron bugs that GPU users hit too are mended whatever the flags (trainer_fixes.py).
 The training loop itself is untouched: every Megatron-LM flag works as Megatron-LM defines it.
 """
+
+import importlib.util
 
 _INSTALLED = {}
 
@@ -31,10 +33,11 @@ def install(cpu: bool = False) -> None:
     from megatron_ucp.errors import ConfigError
     from megatron_ucp.mcore import compat
 
-    if compat.core_version() < (0, 17):
-        raise ConfigError(f"megatron_ucp.megatron_lm: megatron-core {'.'.join(map(str, compat.core_version()))} "
-                          "ships no Megatron-LM trainer (megatron.training, 0.17 and later); use "
-                          "pretrain_gpt_ucp.py, the project's own loop")
+    if importlib.util.find_spec("megatron.training") is None:  # what is there, not a version
+        raise ConfigError(f"megatron-core {'.'.join(map(str, compat.core_version()))} without "
+                          "megatron.training (the wheel ships it from 0.17; on 0.16 put a Megatron-LM "
+                          "clone's megatron/training beside it, README 'Megatron-LM's trainer on "
+                          "0.16'), or use pretrain_gpt_ucp.py, the project's own loop")
     if _INSTALLED.get("cpu") is not None:
         if cpu and not _INSTALLED["cpu"]:
             raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")

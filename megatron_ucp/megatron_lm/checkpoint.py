@@ -77,6 +77,29 @@ def found_format(load_dir, ckpt_step=None):
     return folder_format(folder)[0] if os.path.isdir(folder) else None
 
 
+def require_universal(load_dir, ckpt_step=None) -> None:
+    """--load-universal: what --load (and --ckpt-step) designate is a universal checkpoint, or
+    nothing at all (a fresh start, as megatron's loader makes one); anything else is one line
+    naming what the folder holds."""
+    from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+    from megatron_ucp.format.folder import found_format as folder_format
+
+    if not load_dir or (ckpt_step is None and not os.path.lexists(os.path.join(load_dir, TRACKER))):
+        return
+    step = ckpt_step if ckpt_step is not None else read_tracker(load_dir)  # 'release': its one line
+    folder = iteration_dir(load_dir, step)
+    if not os.path.isdir(folder):
+        raise IncompleteCheckpointError(f"{folder}: named by --load/--ckpt-step but missing")
+    found, evidence = folder_format(folder)
+    if found is None:
+        raise IncompleteCheckpointError(f"{folder}: holds no checkpoint (no {MANIFEST}, .metadata, "
+                                        "*.distcp or mp_rank_* folders)")
+    raise FormatError(f"{folder}: holds a {found} checkpoint ({evidence}), not the universal one "
+                      "--load-universal asks for; drop --load-universal to load it in its own format "
+                      "(then --ckpt-format universal saves the next one universally), or convert it "
+                      "with `megatron-ucp convert`")
+
+
 class _Format:
     """`args.ckpt_format` set to `fmt` for a call into megatron's own code."""
 
@@ -286,6 +309,8 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
             load_dir, args.finetune = pretrained, True
     if target is not None:
         return _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, target[0])
+    if getattr(args, "load_universal", False):
+        run_everywhere(require_universal, load_dir, step)
     fmt = run_everywhere(found_format, load_dir, step)
     if args.ckpt_format == UNIVERSAL and fmt is not None:  # megatron's format: its own loader
         with _Format(args, fmt):
@@ -343,6 +368,7 @@ def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
     from megatron_ucp.format.manifest import read_manifest
     from megatron_ucp.mcore import saved_args
     from megatron_ucp.mcore.saved_args import CHECKPOINT_ARGS, use_checkpoint_args
+    from megatron_ucp.megatron_lm.vocab import null_tokenizer_extra
 
     target = universal_target(getattr(args, load_arg, None), getattr(args, "ckpt_step", None))
     if target is None:
@@ -351,7 +377,10 @@ def load_args_from_checkpoint(args, load_arg="load", *rest, **kwargs):
     path = os.path.join(target[1], MANIFEST)
     saved = manifest.args if isinstance(manifest.args, dict) else {}
     saved_args.check(saved, CHECKPOINT_ARGS, manifest, path)
-    use_checkpoint_args(args, saved, verbose=int(os.environ.get("RANK", "0")) == 0)
+    # --vocab-size as this trainer's NullTokenizer reads it; another tokenizer's vocabulary is its own
+    extra = null_tokenizer_extra(args) if getattr(args, "tokenizer_type", None) == "NullTokenizer" else None
+    use_checkpoint_args(args, saved, verbose=int(os.environ.get("RANK", "0")) == 0,
+                        entries=manifest.architecture.get("vocab_size"), extra=extra)
     return args
 
 

@@ -53,9 +53,39 @@ def _no_cuda_generator():
     random._set_cuda_rng_state = lambda *a, **k: None
 
 
+def _named(value) -> str:
+    return getattr(value, "name", value)  # AttnBackend.fused -> 'fused'
+
+
+# Flags a CPU process accepts and then ignores, where it builds the local spec (no
+# transformer-engine): (attribute, whether the run asks for it, what happens instead). A run with
+# them trains as without them (losses bit-identical), so each gets a line at start-up.
+IGNORED_ON_CPU = (
+    ("fp8", lambda v: v is not None,
+     "--fp8-format: fp8 is transformer-engine's; the local spec computes in --bf16/--fp16/fp32"),
+    ("fp4", lambda v: v is not None,
+     "--fp4-format: fp4 is transformer-engine's; the local spec computes in --bf16/--fp16/fp32"),
+    ("fp8_param_gather", bool, "--fp8-param-gather: no fp8 parameters without transformer-engine"),
+    ("fp4_param_gather", bool, "--fp4-param-gather: no fp4 parameters without transformer-engine"),
+    ("attention_backend", lambda v: _named(v) not in ("auto", "local"),
+     "--attention-backend: the local spec's attention is megatron's DotProductAttention (or the CPU "
+     "mode's own where that refuses the layer), whatever backend is named"),
+    ("use_flash_attn", bool, "--use-flash-attn: flash attention is a CUDA kernel; the local spec's attention runs"),
+)
+
+
+def ignored_flags(args) -> list:
+    """One line for each flag of `args` that the CPU mode's local spec accepts and ignores."""
+    if getattr(args, "transformer_impl", "local") != "local":
+        return []
+    return [f"WARNING: --cpu ignores {words} ({_named(getattr(args, name))!s:.40} given)"
+            for name, asked, words in IGNORED_ON_CPU if asked(getattr(args, name, None))]
+
+
 def _stream_connections_as_flags_want(arguments):
     """arguments.py:1437 wants CUDA_DEVICE_MAX_CONNECTIONS=1 under TP or CP, and 1014 anything
-    else under FSDP: CUDA stream settings, which a CPU process meets as whatever its flags ask."""
+    else under FSDP: CUDA stream settings, which a CPU process meets as whatever its flags ask.
+    The same wrap says which given flags the CPU mode ignores (IGNORED_ON_CPU), on rank 0."""
     original = arguments.validate_args
 
     @functools.wraps(original)
@@ -64,7 +94,11 @@ def _stream_connections_as_flags_want(arguments):
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
         else:
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        return original(args, *rest, **kwargs)
+        result = original(args, *rest, **kwargs)
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in ignored_flags(args):
+                print(line, flush=True)
+        return result
 
     from megatron_ucp.megatron_lm.patching import replace_everywhere
 
@@ -94,6 +128,11 @@ def enable() -> None:
     initialize.torch = _InitializeTorch()
     # initialize.py:494-558: the JIT warm-up of the fused bias-GeLU/dropout kernels runs on 'cuda'.
     initialize._warmup_jit_function = lambda *a, **k: None
+    # A Megatron-LM 0.16 clone's initialize.py:224/228 builds megatron/legacy's fused softmax
+    # kernels with nvcc (fused_kernels.load: CUDA_HOME + "/bin/nvcc", a TypeError where there is
+    # no CUDA); a CPU process uses none of them (0.17 and later no longer build them).
+    if hasattr(initialize, "fused_kernels"):
+        initialize.fused_kernels = types.SimpleNamespace(load=lambda *a, **k: None)
     # arguments.py:1414: get_device_arch_version() asks torch.cuda.get_device_properties; a CPU
     # process takes the pre-Blackwell answer, and with it 1437's demand for one CUDA stream
     # connection under TP, which a process without CUDA streams meets as set.

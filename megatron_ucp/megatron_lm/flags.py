@@ -3,7 +3,8 @@ own flags, added through the extra-arguments provider that every release's
 `parse_args(extra_args_provider, ignore_unknown_args)` takes, so that the re-parses of fault
 tolerance and in-job restart (`arguments.parse_args(ignore_unknown_args=True)`) see them too.
 
-The project's flags: the checkpoint flags of both loops (mcore/ucp_flags.py), `--elastic`
+The project's flags: the checkpoint flags of both loops (mcore/ucp_flags.py), `--load-universal`
+(megatron_lm/checkpoint.py), `--elastic`
 (megatron_lm/elastic.py), `--loss-log` (megatron_lm/loss_log.py) and `--cpu`, which the entry
 points read from the command line before megatron is imported (megatron_lm/__main__.py)."""
 
@@ -32,6 +33,10 @@ def add_arguments(parser, cpu: bool = False):
                 "resumable on any parallel layout"
     group = parser.add_argument_group("megatron-ucp")
     add_universal_flags(group)
+    group.add_argument("--load-universal", action="store_true",
+                       help="the checkpoint --load (and --ckpt-step) designates must be a universal "
+                            "one (any layout); a folder of another format is an error naming it, "
+                            "never a load in that format (the own loop's flag, the same meaning)")
     group.add_argument("--elastic", action="store_true",
                        help="fit the layout to the world size before the parallel state is built "
                             "(keep TP/PP where they fit, DP absorbs the change, else shrink PP then "

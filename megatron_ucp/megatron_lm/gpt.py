@@ -13,7 +13,8 @@ it through the plug-in, as `python -m megatron_ucp.megatron_lm` runs any such sc
 The model is megatron-core's GPTModel: transformer-engine's layer spec where TE is installed
 (`--transformer-impl transformer_engine`, Megatron-LM's default), else the local one; MoE layers
 from megatron's decoder block spec; MLA (`--multi-latent-attention`) and MTP (`--mtp-num-layers`)
-as Megatron-LM builds them. Data: megatron-core's GPTDataset, or its mock dataset (`--mock-data`).
+as Megatron-LM builds them. Data: megatron-core's GPTDataset, or its mock dataset (`--mock-data`,
+with a NullTokenizer of the own loop's vocabulary unless --tokenizer-type is given).
 """
 
 import inspect
@@ -163,21 +164,57 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def mock_data_tokenizer(args) -> None:
+    """--mock-data without --tokenizer-type: megatron's NullTokenizer with the vocabulary the
+    project's own loop gives the same command line (--vocab-size, else its default), EOD the
+    last entry; nothing is downloaded (the GPT2BPETokenizer default fetches a vocabulary), and
+    one command line trains the same model on either trainer."""
+    if not (getattr(args, "mock_data", False) and args.tokenizer_type is None):
+        return
+    from megatron_ucp.mcore.flags import build_parser
+    from megatron_ucp.megatron_lm.vocab import null_tokenizer_extra
+
+    entries = args.vocab_size or build_parser().get_default("vocab_size")
+    args.tokenizer_type = "NullTokenizer"
+    args.vocab_size = entries - null_tokenizer_extra(args)
+
+
+def _parsed_with_mock_tokenizer(parser, defaults):
+    """An extra-arguments provider that adds no flag: it applies `mock_data_tokenizer` to what
+    the parser returns, before --use-checkpoint-args and validate_args (which applies
+    `defaults`, the script's args_defaults: a tokenizer chosen here is not one to override)."""
+    original = parser.parse_known_args
+
+    def parse_known_args(*args, **kwargs):
+        parsed, rest = original(*args, **kwargs)
+        if parsed.tokenizer_type is None:
+            mock_data_tokenizer(parsed)
+            if parsed.tokenizer_type is not None:
+                defaults.pop("tokenizer_type", None)
+        return parsed, rest
+
+    parser.parse_known_args = parse_known_args  # argparse's parse_args calls it too
+    return parser
+
+
 def main():
     """Megatron-LM's pretrain; 0.18 and 0.19 take a config container built from the parsed
-    flags, 0.17 parses the flags inside pretrain()."""
+    flags, 0.16 (a clone's trainer) and 0.17 parse the flags inside pretrain()."""
+    defaults = {"tokenizer_type": "GPT2BPETokenizer"}  # Megatron-LM's pretrain_gpt.py's
     if "cfg_container" in inspect.signature(pretrain).parameters:
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.arguments import parse_and_validate_args
 
-        args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+        args = parse_and_validate_args(extra_args_provider=partial(_parsed_with_mock_tokenizer, defaults=defaults),
+                                       args_defaults=defaults)
         pretrain(pretrain_cfg_container_from_args(args),  # 0.18 and 0.19 order the rest differently
                  train_valid_test_dataset_provider=train_valid_test_datasets_provider,
                  model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
                  forward_step_func=forward_step)
     else:
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                 forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+                 forward_step, extra_args_provider=partial(_parsed_with_mock_tokenizer, defaults=defaults),
+                 args_defaults=defaults)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,16 @@ def record(iteration: int, losses: dict, lr: float) -> dict:
 
 
 def read(path) -> dict:
-    """{iteration: loss} of a loss log (either loop's); a later line for an iteration (a run
+    """{iteration: loss} of a loss log (either loop's): its training lines, those with a "loss"
+    (the own loop writes validation lines between them); a later line for an iteration (a run
     resumed into the same log) wins."""
     losses = {}
     with open(path) as f:
         for line in f:
             if line.endswith("\n"):  # a line still being written is not yet a record
                 r = json.loads(line)
-                losses[r["iteration"]] = r["loss"]
+                if "loss" in r:
+                    losses[r["iteration"]] = r["loss"]
     return losses
 
 

@@ -1,8 +1,9 @@
-"""Two bugs of megatron-core's trainer that GPU users hit too, mended by `install()` whatever
-the flags; each mend applies only where the installed release has the bug."""
+"""Bugs of megatron-core's trainer that GPU users hit too, mended by `install()` whatever the
+flags; each mend applies only where the installed release has the bug."""
 
 import functools
 import importlib
+import importlib.util
 
 import torch
 
@@ -40,6 +41,43 @@ def _state_copies_without_grad():
         setattr(distrib.DistributedOptimizer, name, wrapped)
 
 
+# An evaluation interval longer than any run: `train_iters // NEVER` is 0.
+NEVER = 2**62
+
+
+def _no_eval_interval():
+    """--eval-interval's default is None, "no evaluation during training" (0.19.2
+    training_config.py:119, 0.16.1's too), but training.py's sample counts divide by it:
+    TypeError in get_train_valid_test_num_samples (0.19.2 training.py:4481, 0.16.1 3307) and, on
+    a resume, in build_train_valid_test_data_loaders (4532; 3354). Inside them None reads as an
+    interval longer than the run: the validation split sized for the one evaluation after
+    training, none consumed before it."""
+    if importlib.util.find_spec("megatron.training") is None:  # megatron-core alone (0.16's wheel)
+        return
+    training = importlib.import_module("megatron.training.training")
+    for name in ("get_train_valid_test_num_samples", "build_train_valid_test_data_loaders"):
+        original = getattr(training, name, None)
+        if original is None or getattr(original, "_ucp_eval_interval", False):
+            continue
+
+        @functools.wraps(original)
+        def wrapped(*args, _original=original, **kwargs):
+            margs = importlib.import_module("megatron.training.global_vars").get_args()
+            if margs.eval_interval is not None:
+                return _original(*args, **kwargs)
+            margs.eval_interval = NEVER
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                margs.eval_interval = None
+
+        wrapped._ucp_eval_interval = True
+        from megatron_ucp.megatron_lm.patching import replace_everywhere
+
+        replace_everywhere(original, wrapped)
+
+
 def apply() -> None:
     _compiled_helpers_kept()
     _state_copies_without_grad()
+    _no_eval_interval()

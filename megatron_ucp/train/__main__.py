@@ -8,8 +8,8 @@ train`, and the checkout's `pretrain_gpt_ucp.py`. Which trainer runs depends on 
 - 0.16: the project's own loop (megatron_ucp/train/loop.py), frozen: bug fixes only.
 
 Train on 2 CPU processes with tensor parallelism, saving universally, then resume on 1 (the
-own loop's defaults; Megatron-LM's trainer also needs the model's and the tokenizer's flags,
-README "Which trainer"):
+own loop's defaults; Megatron-LM's trainer also needs the model's flags: README "Which trainer"
+gives one job script for both):
 
     torchrun --nproc-per-node 2 -m megatron_ucp.train --cpu --mock-data \\
         --tensor-model-parallel-size 2 --train-iters 20 --save ckpt --save-interval 10

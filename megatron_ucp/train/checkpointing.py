@@ -160,7 +160,10 @@ def prepare_load(args) -> None:
         args.load = None
         return
     if args.use_checkpoint_args:
-        use_checkpoint_args(args, on_rank_zero(_saved_args, args), verbose=dist.get_rank() == 0)
+        saved, entries = on_rank_zero(_saved_args, args)
+        # the own loop's NullTokenizer adds its EOD to --vocab-size (validate_data); mock data none
+        use_checkpoint_args(args, saved, verbose=dist.get_rank() == 0, entries=entries,
+                            extra=1 if args.tokenizer_type == "NullTokenizer" else 0)
 
 
 def _has_checkpoint(args) -> bool:
@@ -168,8 +171,9 @@ def _has_checkpoint(args) -> bool:
     return args.ckpt_step is not None or os.path.lexists(os.path.join(args.load, TRACKER))
 
 
-def _saved_args(args) -> dict:
-    """The arguments the checkpoint to load was saved with (its manifest's "args")."""
+def _saved_args(args) -> tuple:
+    """The arguments the checkpoint to load was saved with (its manifest's "args") and its true
+    vocabulary (its architecture's)."""
     iteration, directory = _load_target(args)
     if not _is_universal(directory):
         raise FormatError(f"{directory}: --use-checkpoint-args reads the arguments of a universal "
@@ -183,7 +187,7 @@ def _saved_args(args) -> dict:
                           "--use-checkpoint-args needs them (drop the flag and give the model's "
                           "arguments on the command line)")
     saved_args.check(saved, CHECKPOINT_ARGS + ("eod_token",), manifest, os.path.join(directory, MANIFEST))
-    return saved
+    return saved, manifest.architecture.get("vocab_size")
 
 
 def keep_saved_vocab_padding(args) -> None:

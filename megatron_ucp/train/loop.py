@@ -352,12 +352,12 @@ def train(args, state) -> list:
         start = time.perf_counter()
         batches = microbatches(dataset, consumed, args.global_batch_size, args.micro_batch_size,
                                dp_rank, dp_size)
+        lr = state.optimizer.param_groups[0]["lr"]  # the rate this update uses (the plug-in's meaning)
         loss, grad_norm, update_successful = train_step(state, batches, args)
         mtp = _mtp_losses(args)
         iteration += 1
         consumed += args.global_batch_size
         _count(args, state.progress, update_successful)
-        lr = state.optimizer.param_groups[0]["lr"]
         _log(args, iteration, consumed, time.perf_counter() - start, lr, loss, grad_norm or 0.0,
              {**state.progress, **mtp})
         monitor.scalars(iteration, {"lm loss": loss, "learning-rate": lr,
