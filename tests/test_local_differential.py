@@ -146,7 +146,7 @@ def _same_job(root: Path, source: str, name: str) -> Path:
     from megatron_ucp.format.local_piece import JOB_FILE
 
     folder = root / name
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     shutil.copy(root / source / "persistent" / JOB_FILE, folder / JOB_FILE)
     return folder
 
@@ -286,12 +286,12 @@ def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
                 "--train-iters", str(K + 1), "--use-checkpoint-opt_param-scheduler"]
             spec["pairs"].append({
                 "name": f"{source}->{' '.join(layout) or 'one process'}",
-                # --save names the job whose tier it is (local_tier.job_identity); --load of an
-                # empty folder: no persistent checkpoint newer
-                "local": common + ["--load", str(work / "empty"), "--non-persistent-ckpt-type", "local",
+                # --load of a folder without a checkpoint but with the saving job's id
+                # (local_tier.job_identity): the local iteration K is the newest it knows of
+                "local": common + ["--load", str(_same_job(root, source, f"mlm_empty{world}_{source}")),
+                                   "--non-persistent-ckpt-type", "local",
                                    "--non-persistent-local-ckpt-dir", str(root / source / "local"),
-                                   "--non-persistent-save-interval", "1000", "--save", str(root / source / "persistent"),
-                                   "--save-interval", "1000"],
+                                   "--non-persistent-save-interval", "1000"],
                 "persistent": common + ["--load", str(root / source / "persistent")]})
         (work / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1",
