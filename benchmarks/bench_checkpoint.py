@@ -132,7 +132,8 @@ def main() -> int:
     save_s = statistics.median(r["universal_save_rounds_s"])
     print(f"resume proof (recorded by every save, recomputed by every load): {r['proof_record_s']:.3f} s = "
           f"{100 * r['proof_record_s'] / save_s:.1f}% of the median universal save ({save_s:.2f} s, the proof "
-          f"included); its forward pass {r['proof_forward_s']:.3f} s, the state digests the rest")
+          f"included); its forward pass {r['proof_forward_s']:.3f} s, the state digests the rest; the job's "
+          f"first {r['proof_first_record_s']:.3f} s (it plans the digests' regions)")
     print(f"async save: training stalls {r['async_save_stall_s']:.2f} s = "
           f"{r['async_save_stall_s'] / r['memcpy_state_s']:.2f}x an in-memory copy of the state "
           f"({r['memcpy_state_s']:.2f} s); the save completes in {r['async_save_total_s']:.2f} s; "

@@ -3,9 +3,11 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -150,3 +152,18 @@ def assert_config_error_names(call, names) -> None:
     assert "\n" not in message
     for name in names:
         assert name in message, message
+
+
+@contextmanager
+def deadline(seconds, what="took"):
+    """Fail (instead of hanging or crawling the suite) when the body takes longer than `seconds`:
+    a read that blocks on a FIFO, a loader that inflates or builds what it should refuse."""
+    def expired(*_):
+        raise TimeoutError(f"{what} more than {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -14,8 +14,6 @@ the reader's checks (`inspect --verify`). The checkpoints are built by hand
 import argparse
 import math
 import os
-import signal
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,26 +23,14 @@ from zip_bombs import bomb
 from megatron_ucp.convert import fsdp_dtensor, torch_dist_plan
 from megatron_ucp.errors import UCPError
 from megatron_ucp.format import inspection
+from harness import deadline
 from megatron_ucp.mcore import saved_args
-
-
-@contextmanager
-def within(seconds):
-    def expired(*_):
-        raise TimeoutError(f"took more than {seconds} s (built before checking?)")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _refused(fn, *words, seconds=30):
     """fn() raises one line naming each of `words`, within `seconds` (imports included, on a
     loaded machine; building the model the hostile arguments describe takes minutes)."""
-    with within(seconds), pytest.raises(UCPError) as ei:
+    with deadline(seconds), pytest.raises(UCPError) as ei:
         fn()
     message = str(ei.value)
     for w in words:
@@ -157,8 +143,6 @@ def _deeply_nested_args(key: str, depth: int) -> bytes:
     """A torch.save file of the arguments with `key` a list nested `depth` levels: pickle opcodes
     written by hand (EMPTY_LIST x depth, APPEND x depth-1), which unpickle without recursion
     where Python's pickler could not write them."""
-    import io
-
     from zip_bombs import torch_entries, zip_bytes
     import zlib
 

@@ -13,16 +13,14 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import BASE, REPO, free_port, ok, run_steps
+from harness import BASE, REPO, deadline, free_port, ok, run_steps
 from megatron_ucp.convert import safe_pickle
 from megatron_ucp.format import folder, inspection, safe_files, tensor_file
 from megatron_ucp.mcore import rng
@@ -68,23 +66,9 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@contextmanager
-def deadline(seconds=10):
-    """Fail (instead of hanging the suite) when the body blocks, e.g. on a FIFO."""
-    def expired(*_):
-        raise TimeoutError(f"blocked for more than {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _refused(fn, *names, kind=UCPError):
     """fn() raises `kind` within seconds, its message naming each of `names`."""
-    with deadline(), pytest.raises(kind) as ei:
+    with deadline(10, "blocked for"), pytest.raises(kind) as ei:
         fn()
     for name in names:
         assert str(name) in str(ei.value), f"{name!r} not in: {ei.value}"

@@ -6,16 +6,14 @@ memory-mapped legacy file), and the memory is never taken.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import time
 import zipfile
-from contextlib import contextmanager
 
 import pytest
 
-from harness import REPO
+from harness import deadline, REPO
 from zip_bombs import bomb, torch_entries, zip_bytes
 from megatron_ucp.convert import dcp_reader, safe_pickle
 from megatron_ucp.errors import FormatError
@@ -32,23 +30,9 @@ def big():
     return raw
 
 
-@contextmanager
-def within(seconds):
-    """Fail when the body takes longer (inflating 300 MiB would)."""
-    def expired(*_):
-        raise TimeoutError(f"took more than {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _refused(fn, *words):
     started = time.perf_counter()
-    with within(5), pytest.raises(FormatError) as ei:
+    with deadline(5), pytest.raises(FormatError) as ei:
         fn()
     assert time.perf_counter() - started < 2.0, "refused, but not before inflating"
     for w in words:
@@ -178,7 +162,7 @@ def test_torch_dists_own_reader_bounds_each_tensor_item(tmp_path):
     replace_object(folder, "w", tensor_bomb(BIG))  # a uint8 tensor of 300 MiB, its record DEFLATEd
     reader = safe_pickle._reader_class()(str(folder))
     started = time.perf_counter()
-    with within(5), pytest.raises(CheckpointException) as ei:  # DCP gathers it into one (megatron's loader too)
+    with deadline(5), pytest.raises(CheckpointException) as ei:  # DCP gathers it into one (megatron's loader too)
         dcp.load({"w": torch.zeros(4, dtype=torch.uint8)}, storage_reader=reader, no_dist=True)
     assert time.perf_counter() - started < 2.0, "refused, but not before inflating"
     assert "FormatError" in str(ei.value) and "'w': its zip entries inflate" in str(ei.value), str(ei.value)[-500:]
