@@ -12,7 +12,9 @@ are dropped.
 Import: a Hugging Face folder of those families (safetensors) becomes a universal checkpoint at
 iteration 0 holding the weights only; it prints the training flags that build the matching
 megatron model; train from it on any layout with `--load OUT --finetune` (the manifest stores
-those flags, so `--use-checkpoint-args` works too). See megatron_ucp/convert/hf.py and hf_map.py.
+those flags, so `--use-checkpoint-args` works too). It records the resume proof of the source
+(transformers' losses of a probe sequence on CPU, convert/hf_proof.py): the first load refuses a
+checkpoint whose model computes something else. See megatron_ucp/convert/hf.py and hf_map.py.
 """
 
 import argparse
