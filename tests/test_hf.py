@@ -210,6 +210,7 @@ def proof_delta(result: dict) -> float:
     found = re.search(r"resume proof passed: 64 probe tokens within (\S+) of the saved losses "
                       r"\(tolerance 0\.06\), (\d+) state digests equal", result.get("proof") or "")
     assert found, result.get("proof")
+    print(f"  {result['proof']}")
     return float(found.group(1))
 
 
@@ -264,8 +265,25 @@ def test_import_proof_refuses_a_wrong_mapping(work, imported, monkeypatch):
 def test_import_without_proof(work, imported):
     """--no-proof: none recorded, said in one line."""
     proc = tool("import_hf.py", imported["qwen2"][0], work / "u_qwen2_unproved", "--no-proof")
-    assert proc.returncode == 0 and "resume proof not recorded (--no-proof)" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume proof not recorded (--no-proof)" in proc.stdout, proc.stdout
     assert "proof" not in json.loads((work / "u_qwen2_unproved" / "iter_0000000" / "ucp.json").read_text())
+
+
+def test_import_proof_skipped_where_transformers_cannot_run(work, imported, monkeypatch):
+    """Without transformers, or with less free memory than 3x the fp32 weights: the import is
+    written without a proof, and its summary says why in one line."""
+    import psutil
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    s = import_(str(imported["llama"][0]), str(work / "u_no_transformers"), progress=False)
+    assert s["proof"] == "resume proof not recorded (transformers is not installed: pip install 'megatron-ucp[hf]')"
+    monkeypatch.undo()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 10**5})())
+    s = import_(str(imported["llama"][0]), str(work / "u_no_memory"), progress=False)
+    assert s["proof"].startswith("resume proof not recorded (running the HF model takes about"), s["proof"]
+    for name in ("u_no_transformers", "u_no_memory"):
+        assert "proof" not in json.loads((work / name / "iter_0000000" / "ucp.json").read_text())
 
 
 def test_import_manifest(imported):

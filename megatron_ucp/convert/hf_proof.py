@@ -70,7 +70,8 @@ def hf_losses(hf_dir: str, probe: proof.Probe) -> List[float]:
         net = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True,
                                                                 use_safetensors=True, trust_remote_code=False)
     except Exception as e:  # transformers' own refusal of a folder the import took
-        raise ConfigError(f"{hf_dir}: transformers cannot load it: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        first = str(e).splitlines()[0] if str(e) else repr(e)
+        raise ConfigError(f"{hf_dir}: transformers cannot load it: {first}") from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
