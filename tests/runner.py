@@ -368,8 +368,8 @@ def logits(step):
     batch, seq = tokens.shape
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
     with loop.session(step["argv"]) as (args, state):
-        load_universal(args.load, state.model, vocab_size=args.vocab_size, iteration=args.ckpt_step,
-                       load_optim=False, load_rng=False)
+        loaded = load_universal(args.load, state.model, vocab_size=args.vocab_size, iteration=args.ckpt_step,
+                                load_optim=False, load_rng=False)
         kept = []
 
         def forward_step(data_iterator, model):
@@ -391,7 +391,7 @@ def logits(step):
         mine = kept[0].tolist() if kept and parallel_state.get_tensor_model_parallel_rank() == 0 else None
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-    return {"logits": next(x for x in everyone if x is not None)}
+    return {"logits": next(x for x in everyone if x is not None), "proof": loaded.proof_note}
 
 
 def restore_both(step):

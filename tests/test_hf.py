@@ -7,6 +7,8 @@ runs in the test process. Nothing is downloaded: every model is tiny and made by
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +95,10 @@ def imported(work):
             proc = tool("import_hf.py", hf, work / f"u_{kind}")
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert "model flags: --num-layers 4" in proc.stdout
+            assert "resume proof recorded from transformers' run of the source: 64 probe tokens" in proc.stdout
         else:
-            import_(str(hf), str(work / f"u_{kind}"), progress=False)
+            summary = import_(str(hf), str(work / f"u_{kind}"), progress=False)
+            assert summary["proof"].startswith("resume proof recorded"), summary["proof"]
         out[kind] = (hf, work / f"u_{kind}")
     return out
 
@@ -198,6 +202,16 @@ def test_import_logits(imported, group, kind, layout):
     diff = max_diff(ok(group, f"i_{kind}_{layout}")["logits"], hf_logits(imported[kind][0]))
     print(f"import {kind} {layout}: max abs logit difference {diff:.3g}")
     assert diff <= TOL
+    assert proof_delta(ok(group, f"i_{kind}_{layout}")) <= 1e-5  # transformers' losses, recorded at import
+
+
+def proof_delta(result: dict) -> float:
+    """How far megatron's probe losses were from those the import recorded (the load's line)."""
+    found = re.search(r"resume proof passed: 64 probe tokens within (\S+) of the saved losses "
+                      r"\(tolerance 0\.06\), (\d+) state digests equal", result.get("proof") or "")
+    assert found, result.get("proof")
+    print(f"  {result['proof']}")
+    return float(found.group(1))
 
 
 @pytest.mark.parametrize("kind,step", [("mixtral", "i_mixtral_ep2"), ("qwen2", "i_qwen2_checkpoint_args")])
@@ -206,6 +220,70 @@ def test_import_logits_more(imported, group, kind, step):
     diff = max_diff(ok(group, step)["logits"], hf_logits(imported[kind][0]))
     print(f"import {step}: max abs logit difference {diff:.3g}")
     assert diff <= TOL
+    assert proof_delta(ok(group, step)) <= 1e-5
+
+
+def _prove(ckpt: Path) -> subprocess.CompletedProcess:
+    """`inspect --verify --prove`: the checkpoint loaded in one CPU process, its proof checked."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_ucp", "inspect", str(ckpt), "--verify", "--prove"],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_import_proof_refuses_a_wrong_state(work, imported):
+    """Two layers' fc1 weights swapped in an import (checksums redone): the load names the tensor
+    by its digest."""
+    import meaning_faults as faults
+
+    bad = work / "u_llama_swapped"
+    shutil.copytree(imported["llama"][1], bad)
+    it = bad / "iter_0000000"
+    a, b = (f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in (0, 1))
+    fc1_a, fc1_b = faults.read_state(it, a), faults.read_state(it, b)
+    faults.write_state(it, a, "param", fc1_b)
+    faults.write_state(it, b, "param", fc1_a)
+    proc = _prove(bad)
+    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
+    assert f"tensor '{a}' param: digest" in proc.stdout, proc.stdout
+
+
+def test_import_proof_refuses_a_wrong_mapping(work, imported, monkeypatch):
+    """An importer that fuses Q, K and V as thirds (not per query group, megatron's order) writes
+    weights whose digests it records alike: transformers' losses, recorded from the source, refuse
+    it at the first load, naming a probe token."""
+    monkeypatch.setattr(hf_map, "qkv_from_hf", lambda q, k, v, groups: np.concatenate([q, k, v]))
+    out = work / "u_llama_thirds"
+    import_(str(imported["llama"][0]), str(out), progress=False)
+    monkeypatch.undo()
+    proc = _prove(out)
+    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
+    assert re.search(r"probe token \d+: loss \S+ saved, \S+ now", proc.stdout), proc.stdout
+    proc = _prove(imported["llama"][1])  # the right mapping passes, in one process too
+    assert proc.returncode == 0 and "resume proof passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_import_without_proof(work, imported):
+    """--no-proof: none recorded, said in one line."""
+    proc = tool("import_hf.py", imported["qwen2"][0], work / "u_qwen2_unproved", "--no-proof")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resume proof not recorded (--no-proof)" in proc.stdout, proc.stdout
+    assert "proof" not in json.loads((work / "u_qwen2_unproved" / "iter_0000000" / "ucp.json").read_text())
+
+
+def test_import_proof_skipped_where_transformers_cannot_run(work, imported, monkeypatch):
+    """Without transformers, or with less free memory than 3x the fp32 weights: the import is
+    written without a proof, and its summary says why in one line."""
+    import psutil
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    s = import_(str(imported["llama"][0]), str(work / "u_no_transformers"), progress=False)
+    assert s["proof"] == "resume proof not recorded (transformers is not installed: pip install 'megatron-ucp[hf]')"
+    monkeypatch.undo()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 10**5})())
+    s = import_(str(imported["llama"][0]), str(work / "u_no_memory"), progress=False)
+    assert s["proof"].startswith("resume proof not recorded (running the HF model takes about"), s["proof"]
+    for name in ("u_no_transformers", "u_no_memory"):
+        assert "proof" not in json.loads((work / name / "iter_0000000" / "ucp.json").read_text())
 
 
 def test_import_manifest(imported):
@@ -222,7 +300,7 @@ def test_import_manifest(imported):
 def test_finetune(work, group):
     """--finetune trains from the weights: iterations count from 1, the loss falls, a save is at
     iteration 5 with 5 global batches consumed; from trained checkpoints too (universal, torch_dist),
-    whose first loss is the trained model's, not a fresh one's."""
+    whose first loss is the trained model's, not a fresh one's; the imports' resume proofs pass."""
     from megatron_ucp.format.manifest import read_manifest
 
     for name, iters in (("f_llama_tp2", 5), ("f_qwen2_pp2", 5), ("f_trained", 3), ("f_dist", 3)):
@@ -234,6 +312,8 @@ def test_finetune(work, group):
         if source:  # weights loaded: the first loss is well below that of the source's fresh start
             fresh = ok(group, source)["losses"]["1"]
             assert losses[1] < fresh - 0.2, (name, losses[1], fresh)
+        else:  # from an import: its proof (transformers' losses) passed on TP2 and PP2
+            assert "resume proof passed: 64 probe tokens" in ok(group, name)["stdout"], name
     m = read_manifest(str(work / "F_llama" / "iter_0000005"))
     assert m.consumed_samples == 40 and m.optimizer["step"] == 5
 

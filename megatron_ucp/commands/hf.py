@@ -1,7 +1,7 @@
 """Hugging Face export and import commands (CPU only), over megatron_ucp.convert.hf.
 
     megatron-ucp export-hf CKPT OUT [--iteration N] [--dtype fp32|bf16] [--max-shard-gb G] [--no-progress]
-    megatron-ucp import-hf HF_DIR OUT [--workers N] [--no-progress]
+    megatron-ucp import-hf HF_DIR OUT [--workers N] [--no-progress] [--no-proof]
 
 Export: CKPT is a save folder (its tracker's iteration, or --iteration) or one iter_ folder. OUT
 gets config.json, generation_config.json and model.safetensors (or model-0000x-of-0000y.safetensors
@@ -12,7 +12,9 @@ are dropped.
 Import: a Hugging Face folder of those families (safetensors) becomes a universal checkpoint at
 iteration 0 holding the weights only; it prints the training flags that build the matching
 megatron model; train from it on any layout with `--load OUT --finetune` (the manifest stores
-those flags, so `--use-checkpoint-args` works too). See megatron_ucp/convert/hf.py and hf_map.py.
+those flags, so `--use-checkpoint-args` works too). It records the resume proof of the source
+(transformers' losses of a probe sequence on CPU, convert/hf_proof.py): the first load refuses a
+checkpoint whose model computes something else. See megatron_ucp/convert/hf.py and hf_map.py.
 """
 
 import argparse
@@ -47,10 +49,14 @@ def import_main(argv=None) -> int:
     p = import_parser("import_hf", "Import a Hugging Face model folder (Llama, Qwen2, Mixtral; "
                       "safetensors) as a universal checkpoint at iteration 0 holding the weights only "
                       "(CPU only).", "hf_dir", "Hugging Face model folder (config.json and safetensors)")
+    p.add_argument("--no-proof", action="store_true",
+                   help="skip recording the resume proof (transformers' losses of a probe sequence on CPU, which "
+                        "the first resume compares with megatron's)")
     a = parse_import_args(p, argv)
-    s = import_(a.hf_dir, a.output, not a.no_progress, a.workers)
+    s = import_(a.hf_dir, a.output, not a.no_progress, a.workers, not a.no_proof)
     print(f"imported {s['family']}: {s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s "
           f"({s['GB/s']:.3f} GB/s) into {s['output']}")
+    print(f" {s['proof']}")
     print("model flags: " + " ".join(s["megatron_args"]))
     return 0
 

@@ -297,8 +297,9 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
                               f"a floating-point one ({', '.join(hf_config.FLOAT_DTYPES)})")
 
 
-def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -> dict:
-    """Write the weights of a HF model folder as a universal checkpoint at iteration 0."""
+def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1, prove: bool = True) -> dict:
+    """Write the weights of a HF model folder as a universal checkpoint at iteration 0, with the
+    resume proof of what transformers computes from the folder (hf_proof.py; `prove`)."""
     from megatron_ucp.convert import writer as stream_write
 
     start = time.perf_counter()
@@ -326,15 +327,33 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1) -
             return {"": np.ascontiguousarray(p.join(*[reader.read(h) for h in p.hf]), np.float32)}
         return assemble
 
+    record, proof_line = _proof(hf_dir, model, reader) if prove else (None, "resume proof not recorded (--no-proof)")
     argv = hf_map.megatron_args(model)
     layout = mf.Layout(world_size=None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                        virtual_pipeline_model_parallel_size=None, data_parallel_size=None,
                        expert_model_parallel_size=1, expert_tensor_parallel_size=1,
                        use_distributed_optimizer=False, padded_vocab_size=model.vocab_size)
     head = mf.head(iteration=0, consumed_samples=0, architecture=hf_map.architecture(model), layout=layout,
-                   optimizer=None, scheduler=None, args=given_args(argv), rng_saved=False,
+                   optimizer=None, scheduler=None, args=given_args(argv), rng_saved=False, proof=record,
                    source={"huggingface": os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]})
     summary = stream_write.write_checkpoint(output, 0, metas, opener, head, {}, workers, progress, start)
     summary["family"] = hf_map.ARCHITECTURES[model.family]
     summary["megatron_args"] = argv
+    summary["proof"] = proof_line
     return summary
+
+
+def _proof(hf_dir: str, model: hf_map.Model, reader: HFReader):
+    """(the proof record or None, the line that says so): transformers' losses of the probe,
+    the digests of the weights written."""
+    from megatron_ucp.convert import hf_proof
+
+    why = hf_proof.unavailable(model)
+    if why:
+        return None, f"resume proof not recorded ({why})"
+    try:
+        record = hf_proof.record(hf_dir, model, reader.read)
+    except ConfigError as e:
+        return None, f"resume proof not recorded ({e})"
+    return record, (f"resume proof recorded from transformers' run of the source: {record['probe']['tokens']} "
+                    f"probe tokens, {len(record['digests'])} weight digests")

@@ -66,6 +66,7 @@ def check(root: str, iteration: int) -> dict:
     argv = _model_argv(m.args if isinstance(m.args, dict) else {}, m, path)
     # --load: the session keeps the checkpoint's padded vocabulary, as a resume does
     argv += ["--load", root, "--ckpt-step", str(iteration), "--load-universal"]
+    argv += ([] if m.optimizer else ["--no-load-optim"]) + ([] if m.rng_saved else ["--no-load-rng"])  # an import
     return _run(["--source", root, "--iteration", str(iteration), "--format", "universal"], argv)
 
 

@@ -73,7 +73,8 @@ def prove(source: str, fmt: str, iteration: int, out: str, argv: list) -> None:
                 try:
                     result = load_universal(source, state.model, state.optimizer, state.scheduler,
                                             vocab_size=args.vocab_size, iteration=iteration, load_rng=False,
-                                            verify=False)
+                                            load_optim=not args.no_load_optim,
+                                            load_scheduler=not args.no_load_optim, verify=False)
                     record = {"ok": True, "line": result.proof_note}
                 except proof.ResumeProofError as e:
                     record = {"ok": False, "line": str(e)}
