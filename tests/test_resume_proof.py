@@ -117,6 +117,10 @@ def test_bf16_noise_passes_within_the_wider_tolerance_and_a_fault_does_not():
     assert proof.compare(saved, _record(losses=(2.05, 3.0))) is not None
     gpu = dict(_record(dtype="bfloat16"), device="cuda/te")  # saved on GPUs with TE, loaded on CPU
     assert proof.compare(gpu, _record(losses=(2.05, 3.0))) is None
+    # fp32 through another layer implementation on the same kind of device (import-hf's proof)
+    hf = dict(_record(), device="cpu/hf")
+    assert proof.compare(hf, _record(losses=(2.0 + 1e-6, 3.0))) is None
+    assert proof.compare(hf, _record(losses=(2.004, 3.0))) is not None
     # moments kept in bf16 on one side: equal within bf16 rounding of the sum of |terms|
     bf16 = {"param": "float32", "exp_avg": "bfloat16", "exp_avg_sq": "float32"}
     assert proof.compare(saved, _record(digests={"w|exp_avg": [0.25 + 2e-3, 1.0]}, state_dtypes=bf16)) is None

@@ -347,9 +347,15 @@ def _finite(v: float):
 
 
 def loss_tolerance(saved: dict, now: dict) -> float:
+    """fp32 on both sides of the same kind of device (another layer implementation on the CPU,
+    e.g. Hugging Face's against the local spec: 9.5e-7 measured) keeps fp32's; another device
+    (GPU/TE -> CPU) the implementation tolerance; reduced precision its own."""
+    same_device = str(saved.get("device", "")).split("/")[0] == now["device"].split("/")[0]
+    if saved.get("dtype") == now["dtype"] == "float32" and same_device:
+        return TOLERANCE["float32"]
     if saved.get("device") != now["device"]:
         return TOLERANCE["implementation"]
-    return TOLERANCE["float32"] if saved.get("dtype") == now["dtype"] == "float32" else TOLERANCE["reduced"]
+    return TOLERANCE["reduced"]
 
 
 def largest_delta(saved: dict, now: dict) -> Tuple[float, int]:
