@@ -155,12 +155,13 @@ def main(spec: dict, out_path: str) -> None:
         results["rss_after_saves_mib"] = rss_mib()
         # The resume proof each save records (and each load recomputes): its share of a save.
         from megatron_ucp.engine import proof
+        from megatron_ucp.engine.save import owned_regions
         from megatron_ucp.mcore.model_map import local_tensors
 
         tensors = local_tensors(state.model, state.optimizer, args.vocab_size)
         # the first record plans the digest's regions (cached, as every save after a job's first)
-        results["proof_first_record_s"] = timed(lambda: proof.record(state.model, tensors, True, args.vocab_size))[0]
-        results["proof_record_s"] = timed(lambda: proof.record(state.model, tensors, True, args.vocab_size))[0]
+        results["proof_first_record_s"] = timed(lambda: proof.record(state.model, owned_regions(tensors, True), args.vocab_size))[0]
+        results["proof_record_s"] = timed(lambda: proof.record(state.model, owned_regions(tensors, True), args.vocab_size))[0]
         results["proof_forward_s"] = timed(lambda: proof.probe_losses(
             state.model, proof.Probe(proof.probe_length(args.seq_length, proof.layout_multiple()),
                                      args.vocab_size)))[0]

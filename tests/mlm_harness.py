@@ -83,7 +83,10 @@ def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout
     clone's trainer beside an earlier wheel)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "loss.jsonl").unlink(missing_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), *map(str, path)]),
+    # NVTE_*: megatron's argument validation sets them in the process that ran it (an earlier
+    # in-process test), and a trainer started with them refuses another --attention-backend
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), *map(str, path)]),
                UCP_INLINE_HASH_BYTES="1")
     entry = ["-m", "megatron_ucp.megatron_lm", "--cpu", str(GPT_SCRIPT)] if as_script else [str(ENTRY), "--cpu"]
     if hosts:

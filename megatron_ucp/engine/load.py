@@ -24,7 +24,7 @@ from megatron_ucp.engine import proof
 from megatron_ucp.engine.collective import exchange_objects, run_everywhere
 from megatron_ucp.engine.planner import names_by_owner, unclaimed
 from megatron_ucp.engine.reads import exchange, read_plan, read_tensors
-from megatron_ucp.engine.save import current_layout
+from megatron_ucp.engine.save import current_layout, owned_regions
 from megatron_ucp.engine.verify import Layouts, check_hashes, check_headers, hash_plan
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
 from megatron_ucp.format import manifest as mf, tensor_io
@@ -200,8 +200,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     rehashed = check_hashes(root, m, layouts, plan, hashes) if plan is not None else 0
     note = None
     if prove:  # before RNG is restored: the probe's forward pass must not shift any generator
-        live = local_tensors(model, optimizer if with_optim else None, vocab_size)
-        note = run_everywhere(proof.check, full.proof, model, live, with_optim, vocab_size, root, tier)
+        live = owned_regions(local_tensors(model, optimizer if with_optim else None, vocab_size), with_optim)
+        note = run_everywhere(proof.check, full.proof, model, live, vocab_size, root, tier)
         if note and dist.get_rank() == 0:
             print(f" {note}", flush=True)
     if rng_state is not None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_ucp.engine import local_plan, ownership, proof
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
-from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot
+from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot, owned_regions
 from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.tensor_entry import STATES
@@ -124,7 +124,7 @@ class LocalTier:
         states = STATES if optimizer is not None else ("param",)
         tensors = local_tensors(state.model, optimizer, args.vocab_size)
         plan, sources, entries, _, _ = _plan(tensors, states, optimizer is not None, merge=False)
-        record = proof.record(state.model, tensors, optimizer is not None, args.vocab_size)
+        record = proof.record(state.model, owned_regions(tensors, optimizer is not None), args.vocab_size)
         snapshot = _snapshot(plan.items, sources, states, copy=True)
         rank = dist.get_rank()
         meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(), "job": self.job,

@@ -27,7 +27,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,6 +48,12 @@ TOLERANCE = {"float32": 1e-3, "reduced": 2e-2, "implementation": 6e-2}
 # States kept in another dtype on the two sides (bf16 moments, a bf16 model param on a load
 # without optimizer): equal within that dtype's rounding.
 _EPS = {"float32": 0.0, "float64": 0.0, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+
+
+# Adam's moments may be kept in bf16 behind fp32 views (megatron's precision-aware optimizer
+# hands its fragments out as fp32): their digests compare within bf16's rounding. A moment of
+# another iteration moves exp_avg by (1 - beta1) of itself per step: far beyond it.
+_MOMENTS_EPS = 2.0 ** -7
 
 
 class ResumeProofError(IntegrityError):
@@ -154,15 +159,21 @@ def probe_losses(model, probe: Probe) -> List[float]:
 
 
 def _on_this_cp_rank(batch: dict) -> dict:
-    """This context-parallel rank's chunks of the sequence (megatron's load-balanced split);
-    the position ids say which tokens they are."""
+    """This context-parallel rank's chunks of the sequence: megatron's load-balanced split (2 x
+    CP chunks, rank r holding chunks r and 2 CP - 1 - r); the position ids say which tokens they
+    are. Written out here: megatron's helper changed its signature between releases."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_context_parallel_world_size() == 1:
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
         return batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    return get_batch_on_this_cp_rank(batch)
+    r = ps.get_context_parallel_rank()
+    out = {}
+    for key, val in batch.items():
+        chunks = val.view(val.shape[0], 2 * cp, val.shape[1] // (2 * cp))
+        index = torch.tensor([r, 2 * cp - 1 - r], device=val.device)
+        out[key] = chunks.index_select(1, index).reshape(val.shape[0], -1)
+    return out
 
 
 # -- state digests --
@@ -254,33 +265,26 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def state_digests(tensors, with_optimizer: bool) -> Tuple[Dict[str, list], Dict[str, str]]:
-    """({"name|state": [digest, scale]}, {state: dtype}) of the regions this rank writes in a
-    save plan (each region of the job's state exactly once, engine.save._plan without row
-    merges: regions this rank holds). Collective (the plan is agreed, then cached)."""
-    from megatron_ucp.engine.save import _plan
-    from megatron_ucp.format.tensor_entry import STATES
-
-    states = STATES if with_optimizer else ("param",)
-    plan, sources, _, part_shapes, _ = _plan(tensors, states, with_optimizer, merge=False)
+def state_digests(regions) -> Tuple[Dict[str, list], Dict[str, str]]:
+    """({"name|state": [digest, scale]}, {state: dtype}) of `regions` (engine.save.owned_regions:
+    this rank's share of the job's state, each region of it exactly once, with its data)."""
     out, dtypes = {}, {}
     with torch.no_grad():
-        for item in plan.items:
-            offset, by_state = sources[item.key]
+        for name, region, part_shape, offset, by_state in regions:
             for state, source in by_state.items():
                 dtypes[state] = _dtype_name(source)
-                data = source.detach().reshape(-1)[offset:offset + item.region.numel]
-                d, a = region_digest(item.name, part_shapes[(item.name, item.region.part)], item.region, data)
-                part = "|padding" if item.region.part else ""  # compared only on the same padding
-                acc = out.setdefault(f"{item.name}{part}|{state}", [0.0, 0.0])
+                data = source.detach().reshape(-1)[offset:offset + region.numel]
+                d, a = region_digest(name, part_shape, region, data)
+                part = "|padding" if region.part else ""  # compared only on the same padding
+                acc = out.setdefault(f"{name}{part}|{state}", [0.0, 0.0])
                 acc[0] += d
                 acc[1] += a
     return out, dtypes
 
 
-def gathered_digests(tensors, with_optimizer: bool):
+def gathered_digests(regions):
     """Collective: every rank's digests summed and dtypes merged (the same on every rank)."""
-    mine = state_digests(tensors, with_optimizer)
+    mine = state_digests(regions)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     values, dtypes = {}, {}
@@ -313,24 +317,33 @@ def _compute_dtype(model) -> str:
     return _dtype_name(torch.empty(0, dtype=c.params_dtype))
 
 
-def record(model, tensors, with_optimizer: bool, vocab_size: int) -> dict:
-    """Collective: the proof of the state the model (and optimizer, `tensors`' fragments) holds."""
+def record(model, regions, vocab_size: int) -> dict:
+    """Collective: the proof of the state the model (and optimizer) holds, `regions` its data
+    (engine.save.owned_regions)."""
     from megatron_ucp.mcore.model_map import unwrap
 
     probe = Probe(probe_length(_model_seq_length(unwrap(model[0])), layout_multiple()), int(vocab_size))
     return {"version": PROOF_VERSION,
             "probe": {"seed": PROBE_SEED, "tokens": probe.tokens, "vocab_size": probe.vocab_size},
-            **_measure(model, tensors, with_optimizer, probe)}
+            **_measure(model, regions, probe)}
 
 
-def _measure(model, tensors, with_optimizer: bool, probe: Probe) -> dict:
+def _runs_here(model) -> bool:
+    """Whether this machine can run the model's forward pass: legacy grouped-GEMM experts are
+    GPU kernels (megatron asserts bf16 on CUDA); their checkpoints carry digests only on CPU."""
     from megatron_ucp.mcore.model_map import unwrap
 
-    losses = probe_losses(model, probe)
-    digests, dtypes = gathered_digests(tensors, with_optimizer)
+    return not (getattr(unwrap(model[0]).config, "moe_grouped_gemm", False) and _device_type(model).startswith("cpu"))
+
+
+def _measure(model, regions, probe: Probe) -> dict:
+    from megatron_ucp.mcore.model_map import unwrap
+
+    losses = probe_losses(model, probe) if _runs_here(model) else None
+    digests, dtypes = gathered_digests(regions)
     return {"dtype": _compute_dtype(model), "device": _device_type(model),
             "padded_vocab_size": int(unwrap(model[0]).vocab_size),
-            "losses": [_finite(v) for v in losses], "state_dtypes": dtypes,
+            "losses": None if losses is None else [_finite(v) for v in losses], "state_dtypes": dtypes,
             "digests": {k: [_finite(d), _finite(a)] for k, (d, a) in sorted(digests.items())}}
 
 
@@ -359,8 +372,11 @@ def loss_tolerance(saved: dict, now: dict) -> float:
 
 
 def largest_delta(saved: dict, now: dict) -> Tuple[float, int]:
-    """(max |delta|, its token) of the probe's per-token losses (inf where one side is not finite)."""
+    """(max |delta|, its token) of the probe's per-token losses (inf where one side is not
+    finite; 0 where either side could not run the probe)."""
     worst = (0.0, 0)
+    if saved.get("losses") is None or now.get("losses") is None:
+        return worst
     for i, (a, b) in enumerate(zip(saved["losses"], now["losses"])):
         d = math.inf if (a is None) != (b is None) else (0.0 if a is None else abs(a - b))
         worst = max(worst, (d, i))
@@ -382,7 +398,8 @@ def compare(saved: dict, now: dict) -> Optional[str]:
             continue  # a state this load does not restore (--no-load-optim, a weights-only load)
         b, scale_b = now["digests"][key]
         state = key.rsplit("|", 1)[1]
-        eps = max(_EPS.get(saved["state_dtypes"].get(state), 1.0), _EPS.get(now["state_dtypes"].get(state), 1.0))
+        eps = max(_EPS.get(saved["state_dtypes"].get(state), 1.0), _EPS.get(now["state_dtypes"].get(state), 1.0),
+                  _MOMENTS_EPS if state != "param" else 0.0)
         tol = (eps + DIGEST_ROUNDING) * max(scale_a or 0.0, scale_b or 0.0)
         if None in (a, b, scale_a, scale_b) or abs(a - b) > tol:
             return (f"tensor {key.rsplit('|', 1)[0]!r} {state}: digest {a!r} saved, {b!r} now "
@@ -396,7 +413,7 @@ def compare(saved: dict, now: dict) -> Optional[str]:
     return None
 
 
-def check(saved: Optional[dict], model, tensors, with_optimizer: bool, vocab_size: int, where: str,
+def check(saved: Optional[dict], model, regions, vocab_size: int, where: str,
           tier: str = "persistent") -> Optional[str]:
     """Collective: recompute the proof on this layout and raise ResumeProofError (the same on
     every rank) when it differs from `saved`; returns the line that says how it went."""
@@ -408,7 +425,7 @@ def check(saved: Optional[dict], model, tensors, with_optimizer: bool, vocab_siz
     if problem:
         return f"{where}: resume proof not checked: {problem}"
     probe = Probe(int(saved["probe"]["tokens"]), int(saved["probe"]["vocab_size"]))
-    now = _measure(model, tensors, with_optimizer, probe)
+    now = _measure(model, regions, probe)
     why = compare(saved, now)
     if why is not None:
         raise ResumeProofError(f"{where}: the restored state fails its resume proof ({tier} tier): {why}; "
@@ -418,6 +435,9 @@ def check(saved: Optional[dict], model, tensors, with_optimizer: bool, vocab_siz
     if not same_padding(saved, now):
         return (f"resume proof: {digests}; the probe's losses not compared: the vocabulary is padded to "
                 f"{now['padded_vocab_size']} rows here, to {saved.get('padded_vocab_size')} when saved")
+    if saved.get("losses") is None or now["losses"] is None:
+        return (f"resume proof: {digests}; the probe's losses not compared: the model's forward pass "
+                "runs on GPUs only (grouped-GEMM experts)")
     d, _ = largest_delta(saved, now)
     return (f"resume proof passed: {probe.tokens} probe tokens within {d:.2g} of the saved losses "
             f"(tolerance {loss_tolerance(saved, now):g}), {digests}")

@@ -137,6 +137,15 @@ def _plan(tensors, states, with_optimizer: bool, merge: bool = None):
     return plan, _with_ends(sources, plan.ends), entries, part_shapes_of(entries), sorted(created)
 
 
+def owned_regions(tensors, with_optimizer: bool) -> list:
+    """Collective: this rank's share of the job's state, each region of it exactly once (a save
+    plan without row merges: regions this rank holds), with its data: [(atomic name, region,
+    part shape, offset in the sources, {state: 1-D source})] (what the resume proof digests)."""
+    states = STATES if with_optimizer else ("param",)
+    plan, sources, _, part_shapes, _ = _plan(tensors, states, with_optimizer, merge=False)
+    return [(i.name, i.region, part_shapes[(i.name, i.region.part)], *sources[i.key]) for i in plan.items]
+
+
 def _with_ends(sources: dict, ends: dict) -> dict:
     """Sources for the partial rows left at the ends of merged ranges: slices of the data of
     the item they were cut from."""
@@ -358,7 +367,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     rank = dist.get_rank()
     states = STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
-    record = proof.record(model, tensors, optimizer is not None, vocab_size) if prove else None
+    record = proof.record(model, owned_regions(tensors, optimizer is not None), vocab_size) if prove else None
     plan, sources, entries, part_shapes, created = _plan(tensors, states, optimizer is not None)
     merges = plan.merges
     staging = _STAGING.take() if async_save else None

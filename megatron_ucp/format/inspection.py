@@ -66,7 +66,7 @@ def _proof_summary(record):
     """The resume proof in a few words (engine/proof.py), or None where none was recorded."""
     if record is None:
         return None
-    losses = [v for v in record["losses"] if v is not None]
+    losses = [v for v in record["losses"] or [] if v is not None]
     states = sorted({k.rsplit("|", 1)[1] for k in record["digests"]})
     return {"probe_tokens": record["probe"]["tokens"], "vocab_size": record["probe"]["vocab_size"],
             "dtype": record["dtype"], "device": record["device"],

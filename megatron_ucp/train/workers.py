@@ -62,6 +62,7 @@ def prove(source: str, fmt: str, iteration: int, out: str, argv: list) -> None:
 
     from megatron_ucp.engine import proof
     from megatron_ucp.engine.load import load_universal
+    from megatron_ucp.engine.save import owned_regions
     from megatron_ucp.errors import UCPError
     from megatron_ucp.format.durability import atomic_write_json
     from megatron_ucp.mcore.model_map import local_tensors
@@ -84,7 +85,7 @@ def prove(source: str, fmt: str, iteration: int, out: str, argv: list) -> None:
                 args.load, args.ckpt_step = source, iteration
                 (native if fmt == "torch_dist" else legacy).load(args, state, iteration_dir(source, iteration))
                 tensors = local_tensors(state.model, None, args.vocab_size)
-                record = {"proof": proof.record(state.model, tensors, False, args.vocab_size)}
+                record = {"proof": proof.record(state.model, owned_regions(tensors, False), args.vocab_size)}
     except UCPError as e:
         record = {"ok": False, "line": str(e)}
     if int(os.environ.get("RANK", "0")) == 0:
