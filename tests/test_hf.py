@@ -247,17 +247,23 @@ def test_import_proof_refuses_a_wrong_state(work, imported):
     assert f"tensor '{a}' param: digest" in proc.stdout, proc.stdout
 
 
+def _import_refused(work, imported, monkeypatch, mapping: str, wrong, out: str):
+    """An import with `mapping` of hf_map replaced by `wrong` is refused by its proof in one
+    process (`inspect --verify --prove`), naming a probe token."""
+    monkeypatch.setattr(hf_map, mapping, wrong)
+    import_(str(imported["llama"][0]), str(work / out), progress=False)
+    monkeypatch.undo()
+    proc = _prove(work / out)
+    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
+    assert re.search(r"probe token \d+: loss \S+ saved, \S+ now", proc.stdout), proc.stdout
+
+
 def test_import_proof_refuses_a_wrong_mapping(work, imported, monkeypatch):
     """An importer that fuses Q, K and V as thirds (not per query group, megatron's order) writes
     weights whose digests it records alike: transformers' losses, recorded from the source, refuse
     it at the first load, naming a probe token."""
-    monkeypatch.setattr(hf_map, "qkv_from_hf", lambda q, k, v, groups: np.concatenate([q, k, v]))
-    out = work / "u_llama_thirds"
-    import_(str(imported["llama"][0]), str(out), progress=False)
-    monkeypatch.undo()
-    proc = _prove(out)
-    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
-    assert re.search(r"probe token \d+: loss \S+ saved, \S+ now", proc.stdout), proc.stdout
+    _import_refused(work, imported, monkeypatch, "qkv_from_hf",
+                    lambda q, k, v, groups: np.concatenate([q, k, v]), "u_llama_thirds")
     proc = _prove(imported["llama"][1])  # the right mapping passes, in one process too
     assert proc.returncode == 0 and "resume proof passed" in proc.stdout, proc.stdout + proc.stderr
 
@@ -266,13 +272,8 @@ def test_import_proof_refuses_gate_and_up_swapped(work, imported, monkeypatch):
     """SwiGLU's gate and up halves swapped in every layer: on these random models the worst
     probe token moves by 4e-3 only, which fp32 on the CPU (1e-6 from transformers) still tells
     from layout noise (proof.loss_tolerance: same kind of device, fp32 on both sides)."""
-    monkeypatch.setattr(hf_map, "fc1_from_hf", lambda gate, up: np.concatenate([up, gate], axis=0))
-    out = work / "u_llama_up_gate"
-    import_(str(imported["llama"][0]), str(out), progress=False)
-    monkeypatch.undo()
-    proc = _prove(out)
-    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
-    assert re.search(r"probe token \d+: loss \S+ saved, \S+ now", proc.stdout), proc.stdout
+    _import_refused(work, imported, monkeypatch, "fc1_from_hf",
+                    lambda gate, up: np.concatenate([up, gate], axis=0), "u_llama_up_gate")
 
 
 def test_import_without_proof(work, imported):

@@ -36,6 +36,18 @@ def is_legacy(directory: str) -> bool:
         RANK_DIR.match(n) and os.path.isdir(os.path.join(directory, n)) for n in os.listdir(directory))
 
 
+def designated_format(directory: str):
+    """found_format of the folder --load (and --ckpt-step) designate; IncompleteCheckpointError
+    naming it when it is missing or holds no checkpoint (both trainers' format checks)."""
+    if not os.path.isdir(directory):
+        raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
+    found, evidence = found_format(directory)
+    if found is None:
+        raise IncompleteCheckpointError(f"{directory}: holds no checkpoint (no {MANIFEST}, .metadata, "
+                                        "*.distcp or mp_rank_* folders)")
+    return found, evidence
+
+
 def found_format(directory: str):
     """(format, evidence) of the checkpoint an iteration folder holds; (None, None) for none."""
     if os.path.lexists(os.path.join(directory, MANIFEST)):

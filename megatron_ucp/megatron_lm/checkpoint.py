@@ -81,19 +81,14 @@ def require_universal(load_dir, ckpt_step=None) -> None:
     """--load-universal: what --load (and --ckpt-step) designate is a universal checkpoint, or
     nothing at all (a fresh start, as megatron's loader makes one); anything else is one line
     naming what the folder holds."""
-    from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-    from megatron_ucp.format.folder import found_format as folder_format
+    from megatron_ucp.errors import FormatError
+    from megatron_ucp.format.folder import designated_format
 
     if not load_dir or (ckpt_step is None and not os.path.lexists(os.path.join(load_dir, TRACKER))):
         return
     step = ckpt_step if ckpt_step is not None else read_tracker(load_dir)  # 'release': its one line
     folder = iteration_dir(load_dir, step)
-    if not os.path.isdir(folder):
-        raise IncompleteCheckpointError(f"{folder}: named by --load/--ckpt-step but missing")
-    found, evidence = folder_format(folder)
-    if found is None:
-        raise IncompleteCheckpointError(f"{folder}: holds no checkpoint (no {MANIFEST}, .metadata, "
-                                        "*.distcp or mp_rank_* folders)")
+    found, evidence = designated_format(folder)
     raise FormatError(f"{folder}: holds a {found} checkpoint ({evidence}), not the universal one "
                       "--load-universal asks for; drop --load-universal to load it in its own format "
                       "(then --ckpt-format universal saves the next one universally), or convert it "

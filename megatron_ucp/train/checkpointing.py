@@ -289,14 +289,9 @@ LOAD_FLAGS = {"universal": "--ckpt-format universal (the default) or --load-univ
 def check_format(directory: str, wanted: str) -> None:
     """The folder holds a checkpoint of the format asked for: no silent fallback to another
     format's loader (megatron's unpickles; a universal resume must not quietly become one)."""
-    if not os.path.isdir(directory):
-        raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
-    from megatron_ucp.format.folder import found_format
+    from megatron_ucp.format.folder import designated_format
 
-    found, evidence = found_format(directory)
-    if found is None:
-        raise IncompleteCheckpointError(f"{directory}: holds no checkpoint (no ucp.json, .metadata, "
-                                        "*.distcp or mp_rank_* folders)")
+    found, evidence = designated_format(directory)
     if found != wanted:
         convert = " or convert it with `megatron-ucp convert`" if found != "universal" else ""
         raise FormatError(f"{directory}: holds a {found} checkpoint ({evidence}), not the {wanted} one "
