@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -37,6 +38,7 @@ LAYOUTS = {
 }
 TOKENS = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(11))
 LOGITS_TOL = 1e-4  # fp32, one process: attention implementations differ by ~1e-6
+ORIGINAL_QKV_ROWS = dsq.qkv_rows
 MC = ["--cpu", "--mock-data", "--seed", "7", "--log-interval", "1000", "--micro-batch-size", "2"]
 
 
@@ -131,6 +133,7 @@ def layouts(tmp_path_factory):
     for name in LAYOUTS:
         assert "logits" in results.get(name, {}), results.get(name)
         out[name]["logits"] = np.array(results[name]["logits"])
+        out[name]["proof"] = results[name]["proof"]
     return out
 
 
@@ -142,6 +145,60 @@ def test_imported_model_computes_the_source_models_logits(layouts, name):
     diff = float(np.abs(got - want).max())
     print(f"{name}: max |logit - Megatron-DeepSpeed's| {diff:.2e} (logits up to {np.abs(want).max():.2f})")
     assert got.shape == want.shape and diff <= LOGITS_TOL
+
+
+def proof_delta(line: str) -> float:
+    """How far megatron-core's probe losses were from those the import recorded (the load's line)."""
+    found = re.search(r"resume proof passed: (\d+) probe tokens within (\S+) of the saved losses "
+                      r"\(tolerance 0\.001\), (\d+) state digests equal", line or "")
+    assert found, line
+    return float(found.group(2))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_import_proof_passes(layouts, name):
+    """The import records the probe's losses through Megatron-DeepSpeed's forward of the source's
+    own tensors (deepspeed_proof.py: per saving TP rank, its QKV split); megatron-core's load of
+    the import recomputes them within fp32 noise (the proof's tolerance is 1e-3)."""
+    delta = proof_delta(layouts[name]["proof"])
+    print(f"{name}: {layouts[name]['proof']}")
+    assert delta <= 1e-5
+
+
+def _prove(ckpt) -> subprocess.CompletedProcess:
+    """`inspect --verify --prove`: the checkpoint loaded in one CPU process, its proof checked."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_ucp", "inspect", str(ckpt), "--verify", "--prove"],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name,rows", [
+    # issue 46's bug: Megatron-DeepSpeed master's thirds read as the per-group order (no reordering)
+    ("thirds_tp2", lambda layout, m, tp, where=None: None),
+    # the converse: an MHA checkpoint's per-head [q; k; v] read as thirds
+    ("grouped_mha", lambda layout, m, tp, where=None: ORIGINAL_QKV_ROWS("thirds", m, tp)),
+])
+def test_wrong_qkv_order_refused_at_first_load(layouts, tmp_path, monkeypatch, name, rows):
+    """An importer that reads query_key_value's rows in another order writes weights whose
+    digests it records alike; the losses of Megatron-DeepSpeed's forward of the source refuse
+    it at the first load, naming a probe token, in one line."""
+    monkeypatch.setattr(dsq, "qkv_rows", rows)
+    import_(layouts[name]["folder"], str(tmp_path / "wrong"), progress=False)
+    monkeypatch.undo()
+    proc = _prove(tmp_path / "wrong")
+    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
+    found = re.search(r"probe token \d+: loss \S+ saved, \S+ now \(\|delta\| (\S+) > tolerance 0.001", proc.stdout)
+    assert found, proc.stdout
+    print(f"{name} read in the other order: worst probe token off by {found.group(1)}")
+
+
+def test_import_without_proof(layouts, tmp_path):
+    """--no-proof: none recorded, said in one line; the load then says it holds none."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([layouts["grouped_gqa"]["folder"], str(tmp_path / "u"), "--no-progress", "--no-proof"]) == 0
+    assert "resume proof not recorded (--no-proof)" in printed.getvalue(), printed.getvalue()
+    assert "proof" not in json.loads((tmp_path / "u" / "iter_0000005" / "ucp.json").read_text())
 
 
 def test_thirds_moments_reordered_with_the_weights(layouts):
