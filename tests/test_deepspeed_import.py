@@ -262,6 +262,24 @@ def test_variant_proof_passes(variants, name):
     assert proof_delta(variants[name]["proof"]) <= 1e-5
 
 
+def test_proof_not_recorded_where_the_reference_cannot_run(tmp_path, monkeypatch):
+    """Less free memory than twice the fp32 weights, or heads that do not split over the saving
+    TP ranks: the import is written without a proof and says why in one line."""
+    import psutil
+
+    folder, _ = build(tmp_path / "src")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 10**4})())
+    s = import_(folder, str(tmp_path / "u_memory"), progress=False)
+    assert s["proof"].startswith("resume proof not recorded (the reference forward takes about"), s["proof"]
+    monkeypatch.undo()
+    from megatron_ucp.convert import deepspeed_proof as dp
+
+    with pytest.raises(ConfigError, match="4 attention heads in 2 key-value groups do not split over 4 TP ranks"):
+        dp.source_of(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seq_length=16),
+                     {"original_vocab_size": 250, "padded_vocab_size": 256}, 4, "grouped", "m.pt")
+    assert "proof" not in json.loads((tmp_path / "u_memory" / "iter_0000005" / "ucp.json").read_text())
+
+
 def test_thirds_moments_reordered_with_the_weights(layouts):
     """Adam's moments of query_key_value follow its rows: the import's are DeepSpeed's, permuted."""
     from safetensors.numpy import load_file

@@ -369,6 +369,8 @@ def _proof(folder: str, names: list, args: dict, uc_info: dict, saved: tuple, pa
                                                                     folder, bound), digests)
     except ConfigError as e:
         return None, f"resume proof not recorded ({e})"
+    except (RuntimeError, ValueError, IndexError) as e:  # tensors the reference cannot compute with
+        return None, f"resume proof not recorded (the reference forward failed: {str(e).splitlines()[0]:.200})"
     return proof, (f"resume proof recorded from Megatron-DeepSpeed's forward of the source: {proof['probe']['tokens']} "
                    f"probe tokens, {len(digests)} weight digests ({time.perf_counter() - start:.2f} s)")
 

@@ -70,23 +70,29 @@ def source_of(args: dict, uc_info: dict, tp: int, qkv_layout: str, where: str) -
         value = args.get(key)
         return default if value is None else dv.whole(value, f"{where}: args.{key}", 1, dv.MAX_COUNT)
 
+    def switch(key, default):
+        return dv.flag(args.get(key), f"{where}: args.{key}", default)
+
     hidden, heads = count("hidden_size"), count("num_attention_heads")
+    groups = count("num_key_value_heads", heads)
     kv = args.get("kv_channels")  # language_model.py: rotary_dim = hidden // heads where kv_channels is None
     head_dim = hidden // heads if kv is None else count("kv_channels")
-    rope = bool(args.get("use_rotary_position_embeddings")) or args.get("position_embedding_type") == "rotary"
+    rope = switch("use_rotary_position_embeddings", False) or args.get("position_embedding_type") == "rotary"
     normalization = str(args.get("normalization", "layernorm")).lower()
     if normalization not in ("layernorm", "rmsnorm"):
         raise ConfigError(f"{where}: normalization {normalization!r:.40}: no reference forward for it")
+    if heads % groups or heads % tp or groups % tp:  # core.utils.divide's asserts
+        raise ConfigError(f"{where}: {heads} attention heads in {groups} key-value groups do not split over "
+                          f"{tp} TP ranks")
     seq = count("seq_length")
     return Source(
-        hidden=hidden, heads=heads, groups=count("num_key_value_heads", heads), head_dim=head_dim,
-        rotary_dim=head_dim if rope else 0, theta=dv.real(args.get("rope_theta", 10000), f"{where}: args.rope_theta",
-                                                         above=0.0),
+        hidden=hidden, heads=heads, groups=groups, head_dim=head_dim, rotary_dim=head_dim if rope else 0,
+        theta=dv.real(args.get("rope_theta", 10000), f"{where}: args.rope_theta", above=0.0) if rope else 0.0,
         rmsnorm=normalization == "rmsnorm",
         eps=dv.real(args.get("layernorm_epsilon", 1e-5), f"{where}: args.layernorm_epsilon", above=0.0),
-        swiglu=bool(args.get("swiglu")),
+        swiglu=switch("swiglu", False),
         # arguments.py: --no-bias-gelu-fusion (default on), turned off without linear biases
-        gelu_fusion=bool(args.get("bias_gelu_fusion", True)) and bool(args.get("add_bias_linear", True)),
+        gelu_fusion=switch("bias_gelu_fusion", True) and switch("add_bias_linear", True),
         tp=tp, vocab=dv.whole(uc_info.get("original_vocab_size"), f"{where}: original_vocab_size", 1),
         padded_vocab=dv.whole(uc_info.get("padded_vocab_size", args.get("padded_vocab_size")),
                               f"{where}: padded_vocab_size", 1),
