@@ -84,7 +84,8 @@ class Tensors:
                         p + "self_attention.dense.weight": rand(h, c.heads * hn),
                         p + "mlp.dense_h_to_4h.weight": rand(fc1, h), p + "mlp.dense_4h_to_h.weight": rand(h, f)})
             if c.bias:
-                out.update({p + "self_attention.query_key_value.bias": rand(qkv), p + "self_attention.dense.bias": rand(h),
+                out.update({p + "self_attention.query_key_value.bias": rand(qkv),
+                            p + "self_attention.dense.bias": rand(h),
                             p + "mlp.dense_h_to_4h.bias": rand(fc1), p + "mlp.dense_4h_to_h.bias": rand(h)})
         out["language_model.encoder.final_layernorm.weight"] = rand(h, mean=1.0, std=0.1)
         if c.layernorm:

@@ -290,7 +290,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
     metas = {mc: TensorEntry.new(mc, shape, mc in dsm.VOCAB, pad if mc in dsm.VOCAB else 0, STATES)
              for mc, shape in shapes.items()}
 
-    def opener(mc):
+    def opener(mc, read=read_tensor):
         ds = by_mc[mc]
         bound = model.padded_vocab_size * model.hidden_size if mc in dsm.VOCAB else math.prod(shapes[mc])
         reorder = qkv_order is not None and mc.endswith(("self_attention.linear_qkv.weight",
@@ -298,7 +298,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
 
         def assemble(state):
             file = os.path.join(folder, "zero", ds, STATE_FILES[state])
-            record = read_tensor(file, folder, bound)
+            record = read(file, folder, bound)
             tensor = record["param"]
             if state == "param":
                 dsm.check_record(ds, mc, record, tensor.shape, model, tp)
@@ -317,7 +317,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
     proof_record, proof_line = None, "resume proof not recorded (--no-proof)"
     if prove:
         proof_record, proof_line = _proof(folder, names, args, uc_info, (tp, layout_of_qkv, bound), path,
-                                          lambda mc: opener(mc)("param"), list(shapes))
+                                          lambda mc, read: opener(mc, read)("param"), list(shapes))
     model_argv = dsm.megatron_args(model, divisible)
     training_argv = training_flags(record["scheduler"], groups, args, path)
     argv = model_argv + training_argv
@@ -353,7 +353,8 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
 def _proof(folder: str, names: list, args: dict, uc_info: dict, saved: tuple, path: str, written, atomic: list):
     """(the proof record or None, the line that says so): Megatron-DeepSpeed's losses of the
     probe from the source's own tensors (deepspeed_proof), the digests of the weights written
-    (`written(atomic name)`: its parts). `saved`: (TP degree, QKV order, a tensor's elements at most)."""
+    (`written(atomic name, reader)`: its parts). `saved`: (TP degree, QKV order, a tensor's elements
+    at most). Each fp32.pt is read once for both (the memory check allows for the weights)."""
     from megatron_ucp.convert import deepspeed_proof as dp
 
     why = dp.unavailable(folder, names)
@@ -364,9 +365,15 @@ def _proof(folder: str, names: list, args: dict, uc_info: dict, saved: tuple, pa
     try:
         source = dp.source_of(args, uc_info, tp, qkv_layout, path)
         structure = dp.names_of(names)
-        digests = dp.param_digests(written, atomic)
-        proof = dp.record(source, structure, lambda ds: read_tensor(os.path.join(folder, "zero", ds, "fp32.pt"),
-                                                                    folder, bound), digests)
+        records = {}
+
+        def read(file, root, numel_bound):
+            if file not in records:
+                records[file] = read_tensor(file, root, numel_bound)
+            return records[file]
+        digests = dp.param_digests(lambda mc: written(mc, read), atomic)
+        proof = dp.record(source, structure, lambda ds: read(os.path.join(folder, "zero", ds, "fp32.pt"), folder,
+                                                             bound), digests)
     except ConfigError as e:
         return None, f"resume proof not recorded ({e})"
     except (RuntimeError, ValueError, IndexError) as e:  # tensors the reference cannot compute with
