@@ -172,7 +172,7 @@ def rank_parts(record: dict, s: Source, name: str) -> List[torch.Tensor]:
 
 
 def _cut(t: torch.Tensor, dim: int, n: int, name: str) -> List[torch.Tensor]:
-    if dim >= t.dim() or t.shape[dim] % n:
+    if not 0 <= dim < t.dim() or t.shape[dim] % n:
         raise ConfigError(f"{name}: shape {list(t.shape)} does not split in {n} along dim {dim}")
     return list(t.chunk(n, dim))
 
