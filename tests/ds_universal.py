@@ -50,6 +50,63 @@ def args_of(gpt: GPT, variant: dict, **changes) -> argparse.Namespace:
     return args
 
 
+def replicated(name: str) -> bool:
+    """Whole on every TP rank (Megatron-DeepSpeed's _get_tp_replicated_param_patterns): the norms,
+    the learned positions, the row-parallel layers' biases."""
+    return "layernorm" in name or name.endswith(("dense.bias", "dense_4h_to_h.bias", "position_embeddings.weight"))
+
+
+class Tensors:
+    """Random tensors under Megatron-DeepSpeed's names for the model variants ds_gpt does not
+    build (LayerNorm, GELU, linear biases, learned positions; GPTModelPipe's names): what write()
+    takes as `gpt` (`c` and `state_dict()`). Only their names and shapes follow the model; what
+    they compute is deepspeed_proof's reference and megatron-core's to agree on."""
+
+    def __init__(self, c, seed: int = 5, pipe: bool = False):
+        self.c, self.pipe = c, pipe
+        g = torch.Generator().manual_seed(seed)
+        h, f, hn = c.hidden, c.ffn, c.kv_channels
+        qkv, fc1 = (c.heads + 2 * c.groups) * hn, 2 * f if c.swiglu else f
+
+        def rand(*shape, mean=0.0, std=0.02):
+            return mean + std * torch.randn(*shape, generator=g)
+        out = {"language_model.embedding.word_embeddings.weight": rand(c.padded_vocab, h)}
+        if c.learned:
+            out["language_model.embedding.position_embeddings.weight"] = rand(c.seq, h)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        for i in range(c.layers):
+            p = f"language_model.encoder.layers.{i}."
+            for n in norms:
+                out[p + n + ".weight"] = rand(h, mean=1.0, std=0.1)
+                if c.layernorm:
+                    out[p + n + ".bias"] = rand(h, std=0.1)
+            out.update({p + "self_attention.query_key_value.weight": rand(qkv, h),
+                        p + "self_attention.dense.weight": rand(h, c.heads * hn),
+                        p + "mlp.dense_h_to_4h.weight": rand(fc1, h), p + "mlp.dense_4h_to_h.weight": rand(h, f)})
+            if c.bias:
+                out.update({p + "self_attention.query_key_value.bias": rand(qkv),
+                            p + "self_attention.dense.bias": rand(h),
+                            p + "mlp.dense_h_to_4h.bias": rand(fc1), p + "mlp.dense_4h_to_h.bias": rand(h)})
+        out["language_model.encoder.final_layernorm.weight"] = rand(h, mean=1.0, std=0.1)
+        if c.layernorm:
+            out["language_model.encoder.final_layernorm.bias"] = rand(h, std=0.1)
+        if not c.tied:
+            out["language_model.output_layer.weight"] = rand(c.padded_vocab, h)
+        self.tensors = {self._pipe_name(k) if pipe else k: v for k, v in out.items()}
+
+    def _pipe_name(self, name: str) -> str:
+        """GPTModelPipe's: the tied embedding, layer specs from 2, the final norm's spec after them."""
+        if name.startswith("language_model.embedding."):
+            return "tied_modules.embed." + name.split(".", 2)[2]
+        if name.startswith("language_model.encoder.layers."):
+            i, rest = name.split(".", 4)[3:]
+            return f"{int(i) + 2}.{rest}"
+        return f"{self.c.layers + 2}.{name.rsplit('.', 1)[1]}"  # the final norm (pipe names: tied only)
+
+    def state_dict(self) -> dict:
+        return dict(self.tensors)
+
+
 def write(folder, gpt: GPT, args, tp: int = 1, states: dict = None, seed: int = 4) -> str:
     """`gpt`'s weights (and random Adam moments) as ds_to_universal writes them from a run on
     `tp` TP ranks; `states`: top-level entries of the model states to replace."""
@@ -63,11 +120,11 @@ def write(folder, gpt: GPT, args, tp: int = 1, states: dict = None, seed: int = 
     for name, full in gpt.state_dict().items():
         vocab = name.endswith(("word_embeddings.weight", "output_layer.weight"))
         record = {}
-        if tp > 1 and "layernorm" not in name:
+        if tp > 1 and not replicated(name):
             record["cat_dim"] = 1 if name.endswith(("self_attention.dense.weight", "dense_4h_to_h.weight")) else 0
         elif tp == 1:
             record["cat_dim"] = 0
-        if name.endswith("dense_h_to_4h.weight"):
+        if name.endswith("dense_h_to_4h.weight") and getattr(c, "swiglu", True):
             record.update(cat_dim=0, param_n_sub_params=2)
         if vocab:
             record["vocab_tensor"] = True

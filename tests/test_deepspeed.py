@@ -12,6 +12,7 @@ into the venv's torch_extensions/). Nothing is downloaded.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from megatron_ucp.convert.deepspeed import import_  # noqa: E402
 from megatron_ucp.errors import ConfigError, FormatError  # noqa: E402
 from megatron_ucp.format.manifest import read_manifest  # noqa: E402
 
+ORIGINAL_NAMES = dsm.megatron_names
 TOL = 1e-4
 BF16_TOL = 1e-3  # test_resume_matrix.BF16_TOL: bf16 matmuls round differently when TP splits them
 RUN = dict(iters=10, save_at=5, mbs=2, gbs=8, lr=5e-3, vocab=250, seq=16)
@@ -125,6 +127,53 @@ def test_resume(deepspeed_runs, group, variant, layout):
     delta = max_loss_delta(reference, resumed)
     print(f"{variant} on {layout}: max |loss - DeepSpeed's| over iterations 6-10: {delta:.2e}")
     assert delta <= (BF16_TOL if VARIANTS[variant]["bf16"] else TOL)
+
+
+PROOF_LINE = (r"resume proof passed: 16 probe tokens within (\S+) of the saved losses \(tolerance (\S+)\), "
+              r"(\d+) state digests equal")
+
+
+@pytest.mark.parametrize("variant,layout", [(v, k) for v in VARIANTS for k in layouts(v)])
+def test_resume_proof(imported, group, variant, layout):
+    """Each import carries the proof of Megatron-DeepSpeed's forward of the source's tensors
+    (deepspeed_proof.py, fp32 on CPU); megatron-core's first load on each layout recomputes it:
+    within fp32 noise, or for the bf16 run (which resumes in bf16) within bf16's rounding under
+    the tolerance between implementations."""
+    manifest = json.loads((imported[variant][0] / "iter_0000005" / "ucp.json").read_text())
+    assert manifest["proof"]["device"] == "cpu/megatron-deepspeed" and len(manifest["proof"]["losses"]) == 16
+    stdout = group[f"{variant}_{layout}"]["stdout"]
+    found = re.search(PROOF_LINE, stdout)
+    assert found, stdout[-3000:]
+    delta, tolerance = float(found.group(1)), float(found.group(2))
+    print(f"{variant} on {layout}: megatron-core's probe losses within {delta:.2g} of Megatron-DeepSpeed's "
+          f"(tolerance {tolerance:g})")
+    if VARIANTS[variant]["bf16"]:
+        assert tolerance == 6e-2 and delta <= 2e-2
+    else:
+        assert tolerance == 1e-3 and delta <= 1e-5
+
+
+def _layers_swapped(names):
+    """The importer's names with transformer layers 0 and 1 exchanged (a wrong mapping)."""
+    swap = {"decoder.layers.0.": "decoder.layers.1.", "decoder.layers.1.": "decoder.layers.0."}
+    return {ds: next((swap[k] + mc[len(k):] for k in swap if mc.startswith(k)), mc)
+            for ds, mc in ORIGINAL_NAMES(names).items()}
+
+
+def test_wrong_mapping_refused_at_first_load(work, deepspeed_runs, monkeypatch):
+    """An importer that swaps two layers writes weights whose digests it records alike; the
+    losses of Megatron-DeepSpeed's forward of the source refuse it at the first load, naming a
+    probe token in one line (`inspect --verify --prove`: one CPU process)."""
+    monkeypatch.setattr(dsm, "megatron_names", _layers_swapped)
+    import_(deepspeed_runs["fp32_untied"]["universal"], str(work / "u_swapped"), progress=False)
+    monkeypatch.undo()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp", "inspect", str(work / "u_swapped"), "--verify",
+                           "--prove"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
+    found = re.search(r"probe token \d+: loss \S+ saved, \S+ now \(\|delta\| (\S+) > tolerance 0.001", proc.stdout)
+    assert found, proc.stdout
+    print(f"layers 0 and 1 swapped by the importer: worst probe token off by {found.group(1)}")
 
 
 def _ds_state(universal, name, state="fp32"):

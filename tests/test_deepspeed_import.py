@@ -5,10 +5,12 @@ checked by what megatron-core computes from the import, token-based schedules, t
 vocabulary's bound, and hostile values (each one line, nothing written).
 """
 
+import argparse
 import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -37,6 +39,7 @@ LAYOUTS = {
 }
 TOKENS = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(11))
 LOGITS_TOL = 1e-4  # fp32, one process: attention implementations differ by ~1e-6
+ORIGINAL_QKV_ROWS = dsq.qkv_rows
 MC = ["--cpu", "--mock-data", "--seed", "7", "--log-interval", "1000", "--micro-batch-size", "2"]
 
 
@@ -131,6 +134,7 @@ def layouts(tmp_path_factory):
     for name in LAYOUTS:
         assert "logits" in results.get(name, {}), results.get(name)
         out[name]["logits"] = np.array(results[name]["logits"])
+        out[name]["proof"] = results[name]["proof"]
     return out
 
 
@@ -142,6 +146,138 @@ def test_imported_model_computes_the_source_models_logits(layouts, name):
     diff = float(np.abs(got - want).max())
     print(f"{name}: max |logit - Megatron-DeepSpeed's| {diff:.2e} (logits up to {np.abs(want).max():.2f})")
     assert got.shape == want.shape and diff <= LOGITS_TOL
+
+
+def proof_delta(line: str) -> float:
+    """How far megatron-core's probe losses were from those the import recorded (the load's line)."""
+    found = re.search(r"resume proof passed: (\d+) probe tokens within (\S+) of the saved losses "
+                      r"\(tolerance 0\.001\), (\d+) state digests equal", line or "")
+    assert found, line
+    return float(found.group(2))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_import_proof_passes(layouts, name):
+    """The import records the probe's losses through Megatron-DeepSpeed's forward of the source's
+    own tensors (deepspeed_proof.py: per saving TP rank, its QKV split); megatron-core's load of
+    the import recomputes them within fp32 noise (the proof's tolerance is 1e-3)."""
+    delta = proof_delta(layouts[name]["proof"])
+    print(f"{name}: {layouts[name]['proof']}")
+    assert delta <= 1e-5
+
+
+def _prove(ckpt) -> subprocess.CompletedProcess:
+    """`inspect --verify --prove`: the checkpoint loaded in one CPU process, its proof checked."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_ucp", "inspect", str(ckpt), "--verify", "--prove"],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name,rows", [
+    # issue 46's bug: Megatron-DeepSpeed master's thirds read as the per-group order (no reordering)
+    ("thirds_tp2", lambda layout, m, tp, where=None: None),
+    # the converse: an MHA checkpoint's per-head [q; k; v] read as thirds
+    ("grouped_mha", lambda layout, m, tp, where=None: ORIGINAL_QKV_ROWS("thirds", m, tp)),
+])
+def test_wrong_qkv_order_refused_at_first_load(layouts, tmp_path, monkeypatch, name, rows):
+    """An importer that reads query_key_value's rows in another order writes weights whose
+    digests it records alike; the losses of Megatron-DeepSpeed's forward of the source refuse
+    it at the first load, naming a probe token, in one line."""
+    monkeypatch.setattr(dsq, "qkv_rows", rows)
+    import_(layouts[name]["folder"], str(tmp_path / "wrong"), progress=False)
+    monkeypatch.undo()
+    proc = _prove(tmp_path / "wrong")
+    assert proc.returncode == 1 and "fails its resume proof" in proc.stdout, proc.stdout + proc.stderr
+    found = re.search(r"probe token \d+: loss \S+ saved, \S+ now \(\|delta\| (\S+) > tolerance 0.001", proc.stdout)
+    assert found, proc.stdout
+    print(f"{name} read in the other order: worst probe token off by {found.group(1)}")
+
+
+def test_import_without_proof(layouts, tmp_path):
+    """--no-proof: none recorded, said in one line; the load then says it holds none."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([layouts["grouped_gqa"]["folder"], str(tmp_path / "u"), "--no-progress", "--no-proof"]) == 0
+    assert "resume proof not recorded (--no-proof)" in printed.getvalue(), printed.getvalue()
+    assert "proof" not in json.loads((tmp_path / "u" / "iter_0000005" / "ucp.json").read_text())
+
+
+# ---- the proof of the model variants ds_gpt does not build (random tensors, their names and shapes) ----
+
+# name: (model facts, Megatron-DeepSpeed args changes, saving TP degree, GPTModelPipe's names)
+VARIANTS = {
+    # LayerNorm, GELU fused with the bias (bias_gelu_impl: tanh), linear biases, learned positions, untied
+    "layernorm_gelu_learned": (dict(layernorm=True, bias=True, learned=True, tied=False, groups=4, swiglu=False),
+                               dict(bias_gelu_fusion=True), 1, False),
+    # RMSNorm, GELU (erf: --no-bias-gelu-fusion), biases, learned positions, tied, GQA; saved on TP2:
+    # column-parallel biases split, row-parallel ones whole
+    "rmsnorm_gelu_bias_tp2": (dict(layernorm=False, bias=True, learned=True, tied=True, groups=2, swiglu=False),
+                              dict(bias_gelu_fusion=False), 2, False),
+    # GPTModelPipe's names (tied embedding, layer specs from 2, the final norm's), LayerNorm, rotary, SwiGLU
+    "pipe_layernorm_rope": (dict(layernorm=True, bias=False, learned=False, tied=True, groups=2, swiglu=True),
+                            {}, 1, True),
+}
+
+
+def build_variant(folder, name):
+    facts, changes, tp, pipe = VARIANTS[name]
+    c = argparse.Namespace(layers=2, hidden=32, heads=4, kv_channels=8, ffn=48, vocab=250, padded_vocab=256, seq=16,
+                           eps=1e-5, rope_theta=10000, tp=tp, **facts)
+    tensors = ds_universal.Tensors(c, pipe=pipe)
+    args = ds_universal.mds_args(c, dict(mbs=2, gbs=ds_universal.GBS, iters=10, lr=5e-3, bf16=False, save_at=5),
+                                 5 * ds_universal.GBS)
+    for key, value in dict(changes, swiglu=c.swiglu, normalization="layernorm" if c.layernorm else "rmsnorm",
+                           use_rotary_position_embeddings=not c.learned, add_bias_linear=c.bias,
+                           deepspeed_config=None).items():
+        setattr(args, key, value)
+    return ds_universal.write(folder, tensors, args, tp)
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Each variant written, imported, and megatron-core's load of the import (one process)."""
+    work = tmp_path_factory.mktemp("variants")
+    steps, out = [], {}
+    for name in VARIANTS:
+        folder = build_variant(work / name, name)
+        summary = import_(folder, str(work / f"u_{name}"), progress=False)
+        out[name] = {"folder": folder, "target": work / f"u_{name}", "import": summary["proof"]}
+        steps.append({"name": name, "op": "logits", "tokens": TOKENS.tolist(),
+                      "argv": MC + summary["megatron_args"] + ["--load", str(work / f"u_{name}"), "--ckpt-step", "5"]})
+    results = run_steps(1, steps, work / "mc")
+    for name in VARIANTS:
+        assert "proof" in results.get(name, {}), results.get(name)
+        out[name]["proof"] = results[name]["proof"]
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_proof_passes(variants, name):
+    """LayerNorm, GELU, linear biases, learned positions, tied and untied, a TP2 save, GPTModelPipe's
+    names: Megatron-DeepSpeed's forward of the source (deepspeed_proof.py) and megatron-core's of the
+    import compute the same probe losses (fp32: within 1e-5; the tolerance is 1e-3)."""
+    assert variants[name]["import"].startswith("resume proof recorded from Megatron-DeepSpeed's forward"), \
+        variants[name]["import"]
+    print(f"{name}: {variants[name]['proof']}")
+    assert proof_delta(variants[name]["proof"]) <= 1e-5
+
+
+def test_proof_not_recorded_where_the_reference_cannot_run(tmp_path, monkeypatch):
+    """Less free memory than twice the fp32 weights, or heads that do not split over the saving
+    TP ranks: the import is written without a proof and says why in one line."""
+    import psutil
+
+    folder, _ = build(tmp_path / "src")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": 10**4})())
+    s = import_(folder, str(tmp_path / "u_memory"), progress=False)
+    assert s["proof"].startswith("resume proof not recorded (the reference forward takes about"), s["proof"]
+    monkeypatch.undo()
+    from megatron_ucp.convert import deepspeed_proof as dp
+
+    with pytest.raises(ConfigError, match="4 attention heads in 2 key-value groups do not split over 4 TP ranks"):
+        dp.source_of(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, seq_length=16),
+                     {"original_vocab_size": 250, "padded_vocab_size": 256}, 4, "grouped", "m.pt")
+    assert "proof" not in json.loads((tmp_path / "u_memory" / "iter_0000005" / "ucp.json").read_text())
 
 
 def test_thirds_moments_reordered_with_the_weights(layouts):

@@ -2,7 +2,8 @@
 `python -m deepspeed.checkpoint.ds_to_universal` wrote) as a universal checkpoint: the checkout's
 shim for `megatron-ucp import-deepspeed` (megatron_ucp/convert/deepspeed.py).
 
-    python tools/import_deepspeed.py DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress] [--qkv-layout thirds|grouped]
+    python tools/import_deepspeed.py DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress]
+        [--qkv-layout thirds|grouped] [--no-proof]
 """
 
 import os

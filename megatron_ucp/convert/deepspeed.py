@@ -1,7 +1,7 @@
 """Import a DeepSpeed universal checkpoint of a Megatron-DeepSpeed GPT as one of ours.
 
     python -m megatron_ucp.convert.deepspeed DS_UNIVERSAL_DIR OUT [--workers N] [--no-progress]
-        [--qkv-layout thirds|grouped]
+        [--qkv-layout thirds|grouped] [--no-proof]
 
 DS_UNIVERSAL_DIR is what `python -m deepspeed.checkpoint.ds_to_universal` wrote: `zero/<param>/
 {fp32,exp_avg,exp_avg_sq,step}.pt` (full, TP-merged tensors), `zero/optimizer_state.pt` and the
@@ -247,9 +247,11 @@ def _record(states: dict, path: str, args: dict) -> dict:
             {"skipped_iterations": dv.whole(skipped, f"{path}: skipped_steps")}}
 
 
-def import_(folder: str, output: str, progress: bool = True, workers: int = 1, qkv_layout: str = None) -> dict:
+def import_(folder: str, output: str, progress: bool = True, workers: int = 1, qkv_layout: str = None,
+            prove: bool = True) -> dict:
     """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours.
-    `qkv_layout`: 'thirds' or 'grouped' where the args do not tell (deepspeed_qkv)."""
+    `qkv_layout`: 'thirds' or 'grouped' where the args do not tell (deepspeed_qkv); `prove`:
+    with the resume proof of Megatron-DeepSpeed's forward of the source (deepspeed_proof.py)."""
     start = time.perf_counter()
     folder = os.path.abspath(folder)
     output_folder.refuse_inside_input(output, folder, "output")
@@ -288,7 +290,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
     metas = {mc: TensorEntry.new(mc, shape, mc in dsm.VOCAB, pad if mc in dsm.VOCAB else 0, STATES)
              for mc, shape in shapes.items()}
 
-    def opener(mc):
+    def opener(mc, read=read_tensor):
         ds = by_mc[mc]
         bound = model.padded_vocab_size * model.hidden_size if mc in dsm.VOCAB else math.prod(shapes[mc])
         reorder = qkv_order is not None and mc.endswith(("self_attention.linear_qkv.weight",
@@ -296,7 +298,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
 
         def assemble(state):
             file = os.path.join(folder, "zero", ds, STATE_FILES[state])
-            record = read_tensor(file, folder, bound)
+            record = read(file, folder, bound)
             tensor = record["param"]
             if state == "param":
                 dsm.check_record(ds, mc, record, tensor.shape, model, tp)
@@ -311,6 +313,11 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
             return parts
         return assemble
 
+    bound = max(model.padded_vocab_size * model.hidden_size, *map(math.prod, shapes.values()))
+    proof_record, proof_line = None, "resume proof not recorded (--no-proof)"
+    if prove:
+        proof_record, proof_line = _proof(folder, names, args, uc_info, (tp, layout_of_qkv, bound), path,
+                                          lambda mc, read: opener(mc, read)("param"), list(shapes))
     model_argv = dsm.megatron_args(model, divisible)
     training_argv = training_flags(record["scheduler"], groups, args, path)
     argv = model_argv + training_argv
@@ -323,6 +330,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
                    architecture=dsm.architecture(model), layout=layout,
                    optimizer={"type": "adam", "step": step, "param_groups": groups},
                    scheduler=record["scheduler"], args=given_args(argv), rng_saved=False, progress=record["progress"],
+                   proof=proof_record,
                    source={"deepspeed": folder, "ds_version": dv.version_text(states.get("ds_version"), path),
                            "zero_stage": zero_stage, "qkv_layout": layout_of_qkv, "megatron_deepspeed_args": args})
     fresh = not os.path.exists(output)
@@ -338,7 +346,40 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
     summary["step"] = step
     summary["consumed_samples"] = record["consumed"]
     summary["qkv_layout"] = layout_of_qkv
+    summary["proof"] = proof_line
     return summary
+
+
+def _proof(folder: str, names: list, args: dict, uc_info: dict, saved: tuple, path: str, written, atomic: list):
+    """(the proof record or None, the line that says so): Megatron-DeepSpeed's losses of the
+    probe from the source's own tensors (deepspeed_proof), the digests of the weights written
+    (`written(atomic name, reader)`: its parts). `saved`: (TP degree, QKV order, a tensor's elements
+    at most). Each fp32.pt is read once for both (the memory check allows for the weights)."""
+    from megatron_ucp.convert import deepspeed_proof as dp
+
+    why = dp.unavailable(folder, names)
+    if why:
+        return None, f"resume proof not recorded ({why})"
+    tp, qkv_layout, bound = saved
+    start = time.perf_counter()
+    try:
+        source = dp.source_of(args, uc_info, tp, qkv_layout, path)
+        structure = dp.names_of(names)
+        records = {}
+
+        def read(file, root, numel_bound):
+            if file not in records:
+                records[file] = read_tensor(file, root, numel_bound)
+            return records[file]
+        digests = dp.param_digests(lambda mc: written(mc, read), atomic)
+        proof = dp.record(source, structure, lambda ds: read(os.path.join(folder, "zero", ds, "fp32.pt"), folder,
+                                                             bound), digests)
+    except ConfigError as e:
+        return None, f"resume proof not recorded ({e})"
+    except (RuntimeError, ValueError, IndexError) as e:  # tensors the reference cannot compute with
+        return None, f"resume proof not recorded (the reference forward failed: {str(e).splitlines()[0]:.200})"
+    return proof, (f"resume proof recorded from Megatron-DeepSpeed's forward of the source: {proof['probe']['tokens']} "
+                   f"probe tokens, {len(digests)} weight digests ({time.perf_counter() - start:.2f} s)")
 
 
 def main(argv=None) -> int:
@@ -350,10 +391,13 @@ def main(argv=None) -> int:
                    help="query_key_value's row order where the args do not tell it: 'thirds' ([Q; K; V] per "
                         "TP rank: Megatron-DeepSpeed since its commit 676a482c) or 'grouped' (per key-value "
                         "group [q; k; v]: older ones)")
+    p.add_argument("--no-proof", action="store_true",
+                   help="record no resume proof (Megatron-DeepSpeed's forward of the source, run here on CPU)")
     a = parse_import_args(p, argv)
-    s = import_(a.input, a.output, not a.no_progress, a.workers, a.qkv_layout)
+    s = import_(a.input, a.output, not a.no_progress, a.workers, a.qkv_layout, not a.no_proof)
     print(f"imported iteration {s['iteration']} (Adam step {s['step']}, {s['consumed_samples']} samples consumed): "
           f"{s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s into {s['output']}")
+    print(s["proof"])
     print("flags: " + " ".join(s["megatron_args"]))
     return 0
 
