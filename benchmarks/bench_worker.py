@@ -162,9 +162,7 @@ def main(spec: dict, out_path: str) -> None:
         # the first record plans the digest's regions (cached, as every save after a job's first)
         results["proof_first_record_s"] = timed(lambda: proof.record(state.model, owned_regions(tensors, True), args.vocab_size))[0]
         results["proof_record_s"] = timed(lambda: proof.record(state.model, owned_regions(tensors, True), args.vocab_size))[0]
-        results["proof_forward_s"] = timed(lambda: proof.probe_losses(
-            state.model, proof.Probe(proof.probe_length(args.seq_length, proof.layout_multiple()),
-                                     args.vocab_size)))[0]
+        results["proof_forward_s"] = timed(lambda: proof.record_probe(state.model, args.vocab_size))[0]
         # Async stall against an in-memory copy of this rank's whole state (weights + moments).
         def copy_state():
             out = [p.detach().clone() for m in state.model for p in m.parameters()]
@@ -176,15 +174,18 @@ def main(spec: dict, out_path: str) -> None:
         results["memcpy_state_s"] = t
         # A job saves many times: the first save builds the plan and staging buffers, later
         # ones reuse them. Both stalls are reported; the steady state is the second.
-        for i, key in ((1, "async_save_first_stall_s"), (2, "async_save_stall_s")):
+        # The last one records no resume proof: the proof's share of the stall.
+        for i, key, prove in ((1, "async_save_first_stall_s", True), (2, "async_save_stall_s", True),
+                              (3, "async_save_unproved_stall_s", False)):
             t, pending = timed(lambda: save_universal(os.path.join(work, "async"), i, state.model,
                                                       state.optimizer, state.scheduler,
-                                                      vocab_size=args.vocab_size, async_save=True))
+                                                      vocab_size=args.vocab_size, async_save=True, prove=prove))
             results[key] = t
             t_wait, _ = timed(pending.wait)
-            results["async_save_total_s"] = t + t_wait
-            if i == 1:  # as the rounds do: the page cache reuses memory, as on a job's node
-                remove(iteration_dir(os.path.join(work, "async"), 1))
+            if prove:
+                results["async_save_total_s"] = t + t_wait
+            # as the rounds do: the page cache reuses memory, as on a job's node
+            remove(iteration_dir(os.path.join(work, "async"), i))
         shutil.rmtree(os.path.join(work, "async"), ignore_errors=True)
         # Same-layout load of the default format (the only layout it can load into).
         args.dist_ckpt_optim_format = "dp_reshardable"

@@ -191,6 +191,10 @@ def saved(tmp_path_factory):
         train_step("ref", PROOF_BASE + TP2, iters=N, save=str(work / "a"), interval=3),
         train_step("other", PROOF_BASE + TP2 + ["--seed", "8"], iters=K, save=str(work / "b"), interval=K),
         train_step("bf16", PROOF_BASE + TP2 + ["--bf16"], iters=N, save=str(work / "bf16"), interval=K),
+        # an async save digests what it writes in the background, row merges of the distributed
+        # optimizer included
+        train_step("async", PROOF_BASE + TP2 + DIST + ["--async-save"], iters=K, save=str(work / "async"),
+                   interval=K),
         dict(train_step("torch_dist", PROOF_BASE + TP2 + DIST, iters=K, save=str(work / "td"), interval=K),
              argv=BASE + PROOF_BASE + TP2 + DIST + ["--train-iters", str(K), "--save", str(work / "td"),
                                                     "--save-interval", str(K), "--ckpt-format", "torch_dist"]),
@@ -199,7 +203,7 @@ def saved(tmp_path_factory):
                                              "--save-interval", str(K), "--ckpt-format", "torch"]),
     ]
     results = run_steps(2, steps, work / "runs")
-    for name in ("ref", "other", "bf16", "torch_dist", "legacy"):
+    for name in ("ref", "other", "bf16", "async", "torch_dist", "legacy"):
         ok(results, name)
     # the streaming converter records the proof of megatron's own one-process load of the source
     from megatron_ucp.convert.to_universal import convert
@@ -238,6 +242,7 @@ def resumed(saved):
     steps.append(dict(_load("swap_unchecked", work / "swap", PP2 + ["--no-resume-proof"])))
     steps += [train_step("pp2", PROOF_BASE + PP2, iters=N, load=str(work / "a"), step=K),
               train_step("dp2_dist", PROOF_BASE + DIST, iters=N, load=str(work / "a"), step=K),
+              train_step("async_pp2", PROOF_BASE + PP2, iters=K + 1, load=str(work / "async"), step=K),
               train_step("unproved", PROOF_BASE + PP2, iters=N, load=str(work / "unproved"), step=K),
               train_step("bf16_dp2_dist", PROOF_BASE + DIST + ["--bf16"], iters=N, load=str(work / "bf16"), step=K),
               train_step("converted_pp2", PROOF_BASE + PP2, iters=K + 1, load=str(work / "converted"), step=K),
@@ -274,6 +279,18 @@ def test_a_sound_checkpoint_passes_on_other_layouts_with_margin(resumed, saved):
         # fp32 layout noise measured 4.8e-7: the tolerance keeps a margin of 100x
         assert delta * 100 <= proof.TOLERANCE["float32"], (name, delta)
         assert max_loss_delta(reference, losses(resumed, name)) < 1e-4
+
+
+def test_the_digests_of_an_async_save_are_those_of_its_state(resumed, saved):
+    """The save digests what each rank writes as it writes it (in the background here): the
+    sum is the state's, as the load on another layout computes it from what it holds."""
+    work, _ = saved
+    delta = _proved(ok(resumed, "async_pp2"))
+    assert delta * 100 <= proof.TOLERANCE["float32"], delta
+    record = json.loads((work / "async" / f"iter_{K:07d}" / "ucp.json").read_text())["proof"]
+    sync = json.loads((work / "a" / f"iter_{K:07d}" / "ucp.json").read_text())["proof"]
+    assert sorted(record["digests"]) == sorted(sync["digests"])  # every state of every tensor, once
+    assert record["state_dtypes"] == sync["state_dtypes"] == {s: "float32" for s in ("param", "exp_avg", "exp_avg_sq")}
 
 
 def test_bf16_passes_within_its_tolerance_with_margin(resumed):

@@ -282,13 +282,10 @@ def state_digests(regions) -> Tuple[Dict[str, list], Dict[str, str]]:
     return out, dtypes
 
 
-def gathered_digests(regions):
-    """Collective: every rank's digests summed and dtypes merged (the same on every rank)."""
-    mine = state_digests(regions)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+def merged_digests(parts):
+    """Every rank's (digests, dtypes) summed and merged: the job's."""
     values, dtypes = {}, {}
-    for v, d in everyone:
+    for v, d in parts:
         for key, (digest, scale) in v.items():
             acc = values.setdefault(key, [0.0, 0.0])
             acc[0] += digest
@@ -296,6 +293,23 @@ def gathered_digests(regions):
         for state, name in d.items():
             dtypes[state] = _coarser(dtypes.get(state), name)
     return values, dtypes
+
+
+def gathered_digests(regions):
+    """Collective: every rank's digests summed and dtypes merged (the same on every rank)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, state_digests(regions))
+    return merged_digests(everyone)
+
+
+def source_dtypes(sources) -> Dict[str, str]:
+    """{state: dtype} of a rank's sources ({state: tensor} each), the coarsest where they differ:
+    the dtypes the state is kept in, which the digests' comparison allows for."""
+    dtypes = {}
+    for by_state in sources:
+        for state, t in by_state.items():
+            dtypes[state] = _coarser(dtypes.get(state), _dtype_name(t))
+    return dtypes
 
 
 def _coarser(a: Optional[str], b: str) -> str:
@@ -320,12 +334,35 @@ def _compute_dtype(model) -> str:
 def record(model, regions, vocab_size: int) -> dict:
     """Collective: the proof of the state the model (and optimizer) holds, `regions` its data
     (engine.save.owned_regions)."""
+    return with_digests(record_probe(model, vocab_size), [gathered_digests(regions)])
+
+
+def record_probe(model, vocab_size: int) -> dict:
+    """Collective: the proof but its digests: the probe's losses of the model as it is now. A
+    save adds the digests of what it writes (with_digests), in the background for an async one."""
     from megatron_ucp.mcore.model_map import unwrap
 
     probe = Probe(probe_length(_model_seq_length(unwrap(model[0])), layout_multiple()), int(vocab_size))
     return {"version": PROOF_VERSION,
             "probe": {"seed": PROBE_SEED, "tokens": probe.tokens, "vocab_size": probe.vocab_size},
-            **_measure(model, regions, probe)}
+            **_probed(model, probe)}
+
+
+def _probed(model, probe: Probe) -> dict:
+    from megatron_ucp.mcore.model_map import unwrap
+
+    losses = probe_losses(model, probe) if _runs_here(model) else None
+    return {"dtype": _compute_dtype(model), "device": _device_type(model),
+            "padded_vocab_size": int(unwrap(model[0]).vocab_size),
+            "losses": None if losses is None else [_finite(v) for v in losses]}
+
+
+def with_digests(probed: dict, parts) -> dict:
+    """The whole proof: `probed` (record_probe) and the job's digests, `parts` every rank's
+    (digests, dtypes) (state_digests; merged_digests)."""
+    digests, dtypes = merged_digests(parts)
+    return {**probed, "state_dtypes": dtypes,
+            "digests": {k: [_finite(d), _finite(a)] for k, (d, a) in sorted(digests.items())}}
 
 
 def _runs_here(model) -> bool:
@@ -337,14 +374,7 @@ def _runs_here(model) -> bool:
 
 
 def _measure(model, regions, probe: Probe) -> dict:
-    from megatron_ucp.mcore.model_map import unwrap
-
-    losses = probe_losses(model, probe) if _runs_here(model) else None
-    digests, dtypes = gathered_digests(regions)
-    return {"dtype": _compute_dtype(model), "device": _device_type(model),
-            "padded_vocab_size": int(unwrap(model[0]).vocab_size),
-            "losses": None if losses is None else [_finite(v) for v in losses], "state_dtypes": dtypes,
-            "digests": {k: [_finite(d), _finite(a)] for k, (d, a) in sorted(digests.items())}}
+    return with_digests(_probed(model, probe), [gathered_digests(regions)])
 
 
 def _device_type(model) -> str:

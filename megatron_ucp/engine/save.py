@@ -299,6 +299,15 @@ def _write(tmp, items, snapshot, entries, layouts, part_shapes, rng_state) -> No
         rng.save(os.path.join(tmp, "rng"), dist.get_rank(), rng_state)
 
 
+def _digests(items, snapshot, part_shapes) -> dict:
+    """The resume proof's digests (proof.state_digests) of the regions this rank wrote, from the
+    bytes it wrote: together, the ranks' writes hold every element of the state once."""
+    regions = [(i.name, i.region, part_shapes[(i.name, i.region.part)], 0,
+                {state: torch.from_numpy(chunk).reshape(-1) for state, chunk in snapshot[i.key].items()})
+               for i in items]
+    return proof.state_digests(regions)[0]
+
+
 def _checksum(tmp, entries, layouts, mine) -> dict:
     def one(name):
         path = os.path.join(tmp, entries[name].file)
@@ -367,8 +376,11 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     rank = dist.get_rank()
     states = STATES if optimizer is not None else ("param",)
     tensors = local_tensors(model, optimizer, vocab_size)
-    record = proof.record(model, owned_regions(tensors, optimizer is not None), vocab_size) if prove else None
+    # The probe's forward pass now; the digests of what each rank writes as it writes it (in the
+    # background for an async save), summed by rank 0 at the commit.
+    record = proof.record_probe(model, vocab_size) if prove else None
     plan, sources, entries, part_shapes, created = _plan(tensors, states, optimizer is not None)
+    dtypes = proof.source_dtypes(data for _, data in sources.values()) if prove else None
     merges = plan.merges
     staging = _STAGING.take() if async_save else None
     merged = {m.item.key for m in merges if m.writer == rank}
@@ -383,7 +395,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
                           consumed_samples, args, save_rng, progress, record) if rank == 0 else None
     job = functools.partial(_execute, save_dir, iteration, plan.items, snapshot, transfers, entries,
                             part_shapes, created, rng.capture() if save_rng else None, head, keep_last,
-                            _checkpoint_group() if async_save else None)
+                            _checkpoint_group() if async_save else None, dtypes)
     if not async_save:
         return job()
     pending = AsyncSave(job)
@@ -395,9 +407,11 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
 
 
 def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shapes, created, rng_state,
-             head, keep_last, group):
+             head, keep_last, group, dtypes=None):
     """Column blocks exchanged, files (`created`: those this rank creates and checksums),
-    checksums and commit; every step agreed by all ranks over `group`."""
+    checksums, the resume proof's digests of what this rank wrote (`dtypes`: the dtypes its
+    sources keep each state in; None: no proof) and commit; every step agreed by all ranks over
+    `group`."""
     rank = dist.get_rank()
     layouts = {name: file_layout(e) for name, e in entries.items()}
     everywhere = functools.partial(run_everywhere, group=group)
@@ -408,8 +422,13 @@ def _execute(save_dir, iteration, items, snapshot, transfers, entries, part_shap
         everywhere(_create_files, tmp, entries, layouts, created)
         everywhere(_write, tmp, items, snapshot, entries, layouts, part_shapes, rng_state)
         sums = everywhere(_checksum, tmp, entries, layouts, created)
-        # Only rank 0 writes them into the manifest: each rank sends it its files' checksums.
-        all_checksums = list(exchange_objects({0: sums} if sums else {}, group).values())
+        digests = None if dtypes is None else (everywhere(_digests, items, snapshot, part_shapes), dtypes)
+        # Only rank 0 writes them into the manifest: each rank sends it its files' checksums
+        # and its digests.
+        sent = list(exchange_objects({0: (sums, digests)} if sums or digests else {}, group).values())
+        all_checksums = [s for s, _ in sent if s]
+        if rank == 0 and dtypes is not None:
+            head = dataclasses.replace(head, proof=proof.with_digests(head.proof, [d for _, d in sent if d]))
         final = iteration_dir(save_dir, iteration)
         everywhere(lambda: _commit(save_dir, tmp, iteration, head, all_checksums, keep_last)
                    if rank == 0 else None)
