@@ -96,13 +96,15 @@ def check(root: str, iteration: int) -> dict:
 
 
 def record_from_source(source_root: str, iteration: int, output_dir: str, model_argv: list, fmt: str = "torch_dist",
-                       nproc: int = 1, tp: int = 1, python: str = None) -> str:
+                       nproc: int = 1, tp: int = 1, python: str = None, load_optim: bool = False) -> str:
     """The proof of megatron's own load of the source checkpoint (weights only), written into
     the converted checkpoint's manifest; returns the line to print. torch_dist: one process
     (megatron reshards); legacy `torch`: `nproc` processes of the source's layout (its files
     load only there), whose layout flags `model_argv` carries (`tp`: its TP size);
     `fsdp_dtensor`: Megatron-LM's trainer under `python` (trainer_python), `model_argv` its
-    flags with `--load`, in one process (megatron's DCP load reshards)."""
+    flags with `--load`, in one process (megatron's DCP load reshards). `load_optim`: the
+    optimizer state too (Megatron-FSDP's 16-bit runs load their weights only with it), whose
+    moments the proof then digests as well."""
     from megatron_ucp.format.durability import atomic_write_json
     from megatron_ucp.format.folder import iteration_dir
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
@@ -115,14 +117,15 @@ def record_from_source(source_root: str, iteration: int, output_dir: str, model_
     if padded:  # the source's padded vocabulary (padding rows take part in the probe's softmax)
         padding = ["--make-vocab-size-divisible-by", str(padded // tp)]
     result = _run(["--source", source_root, "--iteration", str(iteration), "--format", fmt],
-                  list(model_argv) + padding + ["--cpu", "--mock-data", "--no-load-optim", "--no-load-rng"],
-                  nproc, python)
+                  list(model_argv) + padding + ["--cpu", "--mock-data", "--no-load-rng"]
+                  + ([] if load_optim else ["--no-load-optim"]), nproc, python)
     if "proof" not in result:
         return f"resume proof not recorded: {result.get('line')}"
     manifest = dict(converted.to_json(), proof=result["proof"])
     atomic_write_json(os.path.join(out_dir, MANIFEST), manifest)
     return (f"resume proof recorded from megatron's own load of the source: "
-            f"{result['proof']['probe']['tokens']} probe tokens, {len(result['proof']['digests'])} weight digests")
+            f"{result['proof']['probe']['tokens']} probe tokens, {len(result['proof']['digests'])} "
+            f"{'state' if load_optim else 'weight'} digests")
 
 
 def layout_argv(layout: dict, num_layers: int) -> list:

@@ -163,7 +163,8 @@ _ONE_PROCESS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-
 
 
 def _proof_from_fsdp_dtensor(root: str, iteration: int, output_dir: str, extra_argv) -> str:
-    """The fsdp_dtensor source loaded by Megatron-LM's trainer with Megatron-FSDP, in one CPU
+    """The fsdp_dtensor source loaded by Megatron-LM's trainer with Megatron-FSDP, as a resume
+    loads it (weights and optimizer state: a 16-bit run's weights load only so), in one CPU
     process of a megatron-core that ships the trainer (this interpreter's, else
     UCP_OTHER_PYTHON's); where there is none, the summary says so."""
     from megatron_ucp.convert import prove
@@ -174,8 +175,10 @@ def _proof_from_fsdp_dtensor(root: str, iteration: int, output_dir: str, extra_a
         python = prove.trainer_python()
         argv = (source_argv(iteration_dir(root, iteration), extra_argv) + _ONE_PROCESS
                 + ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(iteration + 1),
-                   "--lr", "0", "--ckpt-format", "fsdp_dtensor", "--load", root, "--ckpt-step", str(iteration)])
-        return prove.record_from_source(root, iteration, output_dir, argv, "fsdp_dtensor", python=python)
+                   "--lr", "0", "--override-opt_param-scheduler",  # the saved schedule is not checked here
+                   "--ckpt-format", "fsdp_dtensor", "--load", root, "--ckpt-step", str(iteration)])
+        return prove.record_from_source(root, iteration, output_dir, argv, "fsdp_dtensor", python=python,
+                                        load_optim=True)
     except (ConfigError, FormatError) as e:
         return f"resume proof not recorded ({e})"
 
