@@ -23,6 +23,10 @@ if __name__ == "__main__":
     die_with_parent()  # first thing: torchrun puts workers in sessions of their own
 
 
+PROG = "megatron_ucp.megatron_lm.prove_source"
+GPT_SCRIPT = "megatron_ucp.megatron_lm.gpt"  # the project's GPT script, as pretrain_gpt_ucp.py runs it
+
+
 class _Proved(Exception):
     """Raised out of the trainer once the proof is written: the job has nothing more to do."""
 
@@ -62,7 +66,6 @@ def main(argv=None) -> int:
     from megatron_ucp.megatron_lm import __main__ as plug_in
     from megatron_ucp.megatron_lm import checkpoint, install
     from megatron_ucp.megatron_lm.patching import replace_everywhere
-    from megatron_ucp.train.__main__ import GPT_SCRIPT, PROG
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[0] != "--out" or argv[2] != "--":
@@ -88,4 +91,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from megatron_ucp.errors import run_command
 
-    run_command(main, "megatron_ucp.megatron_lm.prove_source")
+    run_command(main, PROG)
