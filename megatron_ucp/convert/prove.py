@@ -57,9 +57,20 @@ def _run(kind_argv: list, model_argv: list, nproc: int = 1, python: str = None) 
             code = run_workers(nproc, "megatron_ucp.megatron_lm.prove_source", ["--out", out, "--", *model_argv],
                                python)
         if not os.path.exists(out):
-            raise FormatError(f"the proof's worker failed (exit code {code}) before it could say why")
+            raise FormatError(f"the proof's worker failed (exit code {code}) before it could say why"
+                              + _last_words(out + ".log"))
         with open(out) as f:
             return json.load(f)
+
+
+def _last_words(log: str) -> str:
+    """The last line of the trainer's log (prove_source.py keeps its output there), if any."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = [line.strip() for line in f.read()[-4096:].splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return f"; its log ends: {lines[-1][:300]}" if lines else ""
 
 
 def trainer_python() -> str:
@@ -72,6 +83,9 @@ def trainer_python() -> str:
     if ships_megatron_lm():
         return sys.executable
     other = os.environ.get("UCP_OTHER_PYTHON")
+    if other and not (os.path.isfile(other) and os.access(other, os.X_OK)):
+        raise ConfigError(f"UCP_OTHER_PYTHON={other}: no such executable (expected the python of a megatron-core "
+                          ">= 0.17 install, which ships Megatron-LM's trainer)")
     if other:
         return other
     raise ConfigError("Megatron-LM's trainer is not installed here (megatron-core >= 0.17 ships it; set "
