@@ -235,9 +235,14 @@ def test_without_the_trainer_or_with_no_proof_the_conversion_says_so(dense, tmp_
     assert summary["proof"] == ("resume proof not recorded (Megatron-LM's trainer is not installed here "
                                 "(megatron-core >= 0.17 ships it; set UCP_OTHER_PYTHON to the python of such "
                                 "an install))"), summary["proof"]
-    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "b"), iteration=K, progress=False, prove=False)
+    monkeypatch.setenv("UCP_OTHER_PYTHON", str(tmp_path / "no-python"))
+    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "b"), iteration=K, progress=False)
+    assert summary["proof"] == (f"resume proof not recorded (UCP_OTHER_PYTHON={tmp_path / 'no-python'}: no such "
+                                "executable (expected the python of a megatron-core >= 0.17 install, which ships "
+                                "Megatron-LM's trainer))"), summary["proof"]
+    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "c"), iteration=K, progress=False, prove=False)
     assert "proof" not in summary
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         assert "proof" not in json.loads((tmp_path / name / "iter_0000004" / "ucp.json").read_text())
 
 
