@@ -2,7 +2,9 @@
 
 The pure parts first (keys, group settings, detection, the arguments' stand-ins); then real
 checkpoints of Megatron-LM's trainer (megatron-core >= 0.17, mlm_harness): the converted
-checkpoint resumes on TP2 with the uninterrupted run's losses (fp32, dropout 0), equals a
+checkpoint carries the resume proof of Megatron-LM's own load of the source, which the resume
+checks (a converter that swaps two layers is refused there), resumes on TP2 with the
+uninterrupted run's losses (fp32, dropout 0), equals a
 direct universal save of the same run file for file (dense fp32, and SwiGLU in bf16: an fp32
 Megatron-FSDP run with --swiglu cannot save fsdp_dtensor on megatron-core 0.19.2, whose
 `handle_swiglu_in_state_dict` looks for a Float16Module level that only 16-bit runs have), and
@@ -13,6 +15,7 @@ import argparse
 import io
 import os
 import pickle
+import re
 import subprocess
 
 import pytest
@@ -150,8 +153,8 @@ def convert(python, source, output, *extra):
                           env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
 
 
-def converted(python, source, output):
-    r = convert(python, source, output)
+def converted(python, source, output, *extra):
+    r = convert(python, source, output, *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     return output
 
@@ -169,15 +172,78 @@ def test_a_megatron_fsdp_save_is_found_as_fsdp_dtensor_for_megatrons_loader_too(
     assert designated(str(dense["ckpt"]), K) == "fsdp_dtensor"  # handed to megatron's loader as such
 
 
+PROOF_RECORDED = "resume proof recorded from megatron's own load of the source"
+TP2_RESUME = ["--untie-embeddings-and-output-weights", "--tensor-model-parallel-size", "2", "--ckpt-format",
+              "universal", "--ckpt-step", str(K)]
+
+
 def test_converted_fsdp_dtensor_resumes_on_tp2_with_the_reference_losses(python, dense, tmp_path):
-    out = converted(python, dense["ckpt"], tmp_path / "ucp")
-    r = run(python, tmp_path / "resume", 2, ["--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
-                                             "2", "--ckpt-format", "universal", "--load", str(out),
-                                             "--ckpt-step", str(K)], N).check()
+    """The conversion records the proof of Megatron-LM's own load of the source (Megatron-FSDP in
+    one CPU process, megatron_lm/prove_source.py); the resume on TP2 checks it before its first
+    step, then continues the uninterrupted run's losses."""
+    result = convert(python, dense["ckpt"], tmp_path / "ucp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert PROOF_RECORDED in result.stdout, result.stdout[-3000:]
+    r = run(python, tmp_path / "resume", 2, TP2_RESUME + ["--load", str(tmp_path / "ucp")], N).check()
+    proved = re.search(r"resume proof passed: \d+ probe tokens within (\S+) of the saved losses", r.output)
+    assert proved, r.output[-4000:]
+    print(f"probe: source (megatron's load, 1 process) vs converted (TP2): max |delta| {proved.group(1)}")
+    assert float(proved.group(1)) <= 1e-5  # fp32 on both sides: layout noise only (4.8e-7 measured)
     assert sorted(r.losses()) == list(range(K + 1, N + 1))
     delta = max_delta(dense["losses"], r.losses(), range(K + 1, N + 1))
     print(f"max |delta loss| over iterations {K + 1}..{N}: {delta:.3g}")
     assert delta <= TOL
+
+
+def test_a_converter_that_swaps_two_layers_is_refused_at_the_first_resume(python, dense, tmp_path, monkeypatch):
+    """A plan that reads layer 1's fc1 into layer 0's and back writes sound files of the wrong
+    state; the proof, from megatron's own load of the source, refuses it before the first step."""
+    from megatron_ucp.convert import fsdp_dtensor
+    from megatron_ucp.convert.to_universal import convert as to_universal
+
+    real = fsdp_dtensor.plan_conversion
+    a, b = (f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in (0, 1))
+
+    def swapped(*args):
+        plan = real(*args)
+        plan.atomics[a].boxes, plan.atomics[b].boxes = plan.atomics[b].boxes, plan.atomics[a].boxes
+        return plan
+
+    monkeypatch.setattr(fsdp_dtensor, "plan_conversion", swapped)
+    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "ucp"), iteration=K, progress=False)
+    assert summary["proof"].startswith(PROOF_RECORDED), summary["proof"]
+    r = run(python, tmp_path / "resume", 2, TP2_RESUME + ["--load", str(tmp_path / "ucp")], N)
+    assert r.returncode != 0 and not r.losses(), "trained on a wrong state"
+    # ResumeProofError's one line (engine/proof.check), as the trainer reports it
+    lines = sorted({line for line in r.output.splitlines() if "fails its resume proof (persistent tier)" in line})
+    assert lines, r.output[-4000:]
+    assert f"tensor '{a}' " in lines[0] and "digest" in lines[0] and "saved" in lines[0] and "now" in lines[0], \
+        lines[0]
+
+
+def test_without_the_trainer_or_with_no_proof_the_conversion_says_so(dense, tmp_path, monkeypatch):
+    """Where no megatron-core with Megatron-LM's trainer is at hand the converted checkpoint
+    carries no proof and the summary says why in one line; --no-proof records none."""
+    import json
+
+    from megatron_ucp.convert.to_universal import convert as to_universal
+    from megatron_ucp.mcore import compat
+
+    monkeypatch.setattr(compat, "ships_megatron_lm", lambda: False)
+    monkeypatch.delenv("UCP_OTHER_PYTHON", raising=False)
+    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "a"), iteration=K, progress=False)
+    assert summary["proof"] == ("resume proof not recorded (Megatron-LM's trainer is not installed here "
+                                "(megatron-core >= 0.17 ships it; set UCP_OTHER_PYTHON to the python of such "
+                                "an install))"), summary["proof"]
+    monkeypatch.setenv("UCP_OTHER_PYTHON", str(tmp_path / "no-python"))
+    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "b"), iteration=K, progress=False)
+    assert summary["proof"] == (f"resume proof not recorded (UCP_OTHER_PYTHON={tmp_path / 'no-python'}: no such "
+                                "executable (expected the python of a megatron-core >= 0.17 install, which ships "
+                                "Megatron-LM's trainer))"), summary["proof"]
+    summary = to_universal(str(dense["ckpt"]), str(tmp_path / "c"), iteration=K, progress=False, prove=False)
+    assert "proof" not in summary
+    for name in ("a", "b", "c"):
+        assert "proof" not in json.loads((tmp_path / name / "iter_0000004" / "ucp.json").read_text())
 
 
 def test_an_fsdp_dtensor_checkpoint_resumes_through_megatrons_loader_then_saves_universal(python, dense, tmp_path):
@@ -203,6 +269,7 @@ def test_a_converted_moe_checkpoint_resumes_on_ep2_with_the_distributed_optimize
     r = run(python, tmp_path / "ep2", 2, ["--untie-embeddings-and-output-weights", "--expert-model-parallel-size", "2",
                                           "--use-distributed-optimizer", "--ckpt-format", "universal", "--load",
                                           str(out), "--ckpt-step", str(K)] + MOE, N).check()
+    assert "resume proof passed" in r.output, r.output[-4000:]  # megatron's load of the source, on EP2
     assert sorted(r.losses()) == list(range(K + 1, N + 1))
     assert max_delta(ref.losses(), r.losses(), range(K + 1, N + 1)) <= TOL
 
@@ -225,14 +292,30 @@ def _same_checkpoint(converted_dir, direct_dir):
 
 @pytest.mark.parametrize("extra", [[], SWIGLU_BF16], ids=["dense-fp32", "swiglu-bf16"])
 def test_conversion_equals_a_direct_universal_save_of_the_same_run(python, dense, tmp_path, extra):
+    """... and, in bf16 (where Megatron-FSDP loads weights only with the optimizer state), the
+    proof of megatron's load of the source in one process is the direct save's on DP2: every
+    weight and moment digest, the probe within bf16's layout noise. fp32: --no-proof records
+    none (its proof is checked by the TP2 resume above)."""
+    from megatron_ucp.engine import proof
+    from megatron_ucp.format.manifest import read_manifest
+
     source = dense["ckpt"]
     if extra:  # its own fsdp_dtensor run
         _train(python, tmp_path / "dtensor", extra, "fsdp_dtensor")
         source = tmp_path / "dtensor" / "ckpt"
     direct = tmp_path / "direct"
     _train(python, direct, extra, "universal")
-    out = converted(python, source, tmp_path / "ucp")
+    out = converted(python, source, tmp_path / "ucp", *([] if extra else ["--no-proof"]))
     _same_checkpoint(out / "iter_0000004", direct / "ckpt" / "iter_0000004")
+    recorded = read_manifest(str(out / "iter_0000004")).proof
+    if not extra:
+        assert recorded is None
+        return
+    saved = read_manifest(str(direct / "ckpt" / "iter_0000004")).proof
+    assert sorted(recorded["digests"]) == sorted(saved["digests"])  # param, exp_avg, exp_avg_sq of each
+    assert proof.compare(saved, recorded) is None, proof.compare(saved, recorded)
+    print(f"bf16 probe: megatron's load of the source vs the direct save: max |delta| "
+          f"{proof.largest_delta(saved, recorded)[0]:.3g}")
 
 
 @pytest.fixture

@@ -93,14 +93,31 @@ def _source(reader: DcpReader, stored: dict, extra_argv, shapes: Dict[str, tuple
         raise ConfigError(f"{reader.dir}: the stored arguments have no world_size")
     typed_stored_args(stored, origin)
     # --mock-data: the converter reads no data, the validation wants a source of it.
-    argv = argv_from_args(stored, _model_names()) + _vocab_argv(stored, extra_argv, reader.dir) + list(extra_argv)
-    argv += ["--cpu", "--mock-data"]
+    argv = _model_argv(stored, extra_argv, reader.dir) + ["--cpu", "--mock-data"]
     source = source_args(argv, world, origin)
     checked_source(source, shapes, origin, extra_argv)
     if source.num_experts and source.moe_grouped_gemm:
         raise FormatError(f"{reader.dir}: grouped-GEMM experts (--moe-grouped-gemm); their fsdp_dtensor keys "
                           "(linear_fc1.weight<E>) are not mapped, the sequential experts' are")
     return source, world
+
+
+def _model_argv(stored: dict, extra_argv, where: str) -> list:
+    """The flags that rebuild the source model and layout, the user's after '--' last."""
+    return argv_from_args(stored, _model_names()) + _vocab_argv(stored, extra_argv, where) + list(extra_argv)
+
+
+def source_argv(iter_dir: str, extra_argv=()) -> list:
+    """Flags for Megatron-LM's trainer that rebuild the source model, in the source's precision,
+    with Megatron-FSDP (the resume proof's load of the source, convert/prove.py)."""
+    reader = DcpReader(iter_dir)
+    try:
+        stored = _stored_args(reader)
+    finally:
+        reader.close()
+    typed_stored_args(stored, os.path.join(iter_dir, "args"))
+    precision = [f"--{p}" for p in ("bf16", "fp16") if stored.get(p) is True]
+    return _model_argv(stored, extra_argv, iter_dir) + precision + ["--use-megatron-fsdp"]
 
 
 def _shapes(reader: DcpReader, root: str) -> Dict[str, tuple]:

@@ -41,14 +41,15 @@ _TORCHRUN = ("import runpy, sys; from megatron_ucp.convert.launch import die_wit
              "sys.argv[0] = 'torchrun'; runpy.run_module('torch.distributed.run', run_name='__main__')")
 
 
-def run_workers(nproc: int, module: str, argv: list) -> int:
-    """Run `python -m module argv` in `nproc` local processes; returns torchrun's exit code.
+def run_workers(nproc: int, module: str, argv: list, python: str = None) -> int:
+    """Run `python -m module argv` in `nproc` local processes (`python`: another interpreter
+    than this one); returns torchrun's exit code.
 
     The workers' output goes to this process's stdout and stderr as it comes. torchrun dies
     with this process and the workers with torchrun (die_with_parent, which the worker module
     calls first thing).
     """
-    cmd = [sys.executable, "-c", _TORCHRUN, "--nproc-per-node", str(nproc),
+    cmd = [python or sys.executable, "-c", _TORCHRUN, "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # The workers import this package as the caller does (a tools/ script puts it on sys.path).

@@ -53,8 +53,8 @@ def _refuse_universal(directory: str):
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
             progress=True, via_megatron=False, prove=True) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds, and how the resume proof
-    went). `prove`: record the proof of megatron's own load of a streamed torch_dist or legacy
-    source (--via-megatron's save records it from the same load)."""
+    went). `prove`: record the proof of megatron's own load of a streamed torch_dist, legacy or
+    fsdp_dtensor source (--via-megatron's save records it from the same load)."""
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
     from megatron_ucp.format.folder import MANIFEST, found_format, iteration_dir
@@ -74,7 +74,10 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
             raise ConfigError("--via-megatron reads torch_dist checkpoints; an fsdp_dtensor one is streamed")
         from megatron_ucp.convert import fsdp_dtensor
 
-        return fsdp_dtensor.convert(iteration_dir(root, it), output_dir, extra_argv, workers, progress)
+        summary = fsdp_dtensor.convert(iteration_dir(root, it), output_dir, extra_argv, workers, progress)
+        if prove:
+            summary["proof"] = _proof_from_fsdp_dtensor(root, it, output_dir, extra_argv)
+        return summary
     if is_legacy(iteration_dir(root, it)):
         from megatron_ucp.convert import legacy as legacy_convert
 
@@ -153,6 +156,33 @@ def _proof_from_legacy(root: str, iteration: int, output_dir: str, extra_argv) -
         return f"resume proof not recorded ({e})"
 
 
+# One process: megatron's DCP load of the global tensors reshards to it.
+_ONE_PROCESS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+                "--expert-tensor-parallel-size", "1"]
+
+
+def _proof_from_fsdp_dtensor(root: str, iteration: int, output_dir: str, extra_argv) -> str:
+    """The fsdp_dtensor source loaded by Megatron-LM's trainer with Megatron-FSDP, as a resume
+    loads it (weights and optimizer state: a 16-bit run's weights load only so), in one CPU
+    process of a megatron-core that ships the trainer (this interpreter's, else
+    UCP_OTHER_PYTHON's); where there is none, the summary says so."""
+    from megatron_ucp.convert import prove
+    from megatron_ucp.convert.fsdp_dtensor_plan import source_argv
+    from megatron_ucp.format.folder import iteration_dir
+
+    try:
+        python = prove.trainer_python()
+        argv = (source_argv(iteration_dir(root, iteration), extra_argv) + _ONE_PROCESS
+                + ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(iteration + 1),
+                   "--lr", "0", "--override-opt_param-scheduler",  # the saved schedule is not checked here
+                   "--ckpt-format", "fsdp_dtensor", "--load", root, "--ckpt-step", str(iteration)])
+        return prove.record_from_source(root, iteration, output_dir, argv, "fsdp_dtensor", python=python,
+                                        load_optim=True)
+    except (ConfigError, FormatError) as e:
+        return f"resume proof not recorded ({e})"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -167,7 +197,7 @@ def main(argv=None) -> int:
                    help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-proof", action="store_true",
-                   help="torch_dist and legacy: skip recording the resume proof (megatron's own load of the source in "
+                   help="skip recording the resume proof (megatron's own load of the source in "
                         "one CPU process, whose losses and weights the first resume compares)")
     a = p.parse_args(own)
     if a.workers < 1:
