@@ -167,3 +167,15 @@ def test_torch_dists_own_reader_bounds_each_tensor_item(tmp_path):
     assert time.perf_counter() - started < 2.0, "refused, but not before inflating"
     assert "FormatError" in str(ei.value) and "'w': its zip entries inflate" in str(ei.value), str(ei.value)[-500:]
     assert f"'archive/data/0' alone to {BIG}" in str(ei.value) and "refused before inflating" in str(ei.value)
+
+
+def test_deepspeeds_pickle_size_reads_the_directory_within_bounds(tmp_path, monkeypatch):
+    """The DeepSpeed import sizes a memory-mapped file's pickle from its zip directory before
+    loading it: that directory is bounded too (entries, bytes), as every loader's."""
+    from megatron_ucp.convert import deepspeed
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    path.write_bytes(zip_bytes(torch_entries()))
+    assert deepspeed._pickle_size(str(path), "model states") > 0
+    monkeypatch.setattr(zip_bounds, "MAX_ENTRIES", 4)
+    _refused(lambda: deepspeed._pickle_size(str(path), "model states"), str(path), "lists 7 entries", "at most 4")

@@ -36,7 +36,7 @@ from megatron_ucp.convert import deepspeed_map as dsm, deepspeed_qkv as qkv, dee
 from megatron_ucp.convert import output_folder, safe_pickle, writer as stream_write
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
-from megatron_ucp.format import manifest as mf, safe_files
+from megatron_ucp.format import manifest as mf, safe_files, zip_bounds
 from megatron_ucp.format.layout import PADDING
 from megatron_ucp.format.tensor_entry import STATES, TensorEntry
 
@@ -83,14 +83,10 @@ STAND_INS = [(Opaque, name) for name in (
 
 
 def _pickle_size(path: str, what: str) -> int:
-    """The bytes of a torch.save zip file's pickle (what torch.load reads into memory)."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            return max((i.file_size for i in z.infolist() if i.filename.endswith("/data.pkl")), default=0)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise FormatError(f"{what} {path}: not a torch.save file ({e})") from None
+    """The bytes of a torch.save zip file's pickle (what torch.load reads into memory), from its
+    zip directory, read within zip_bounds' limits."""
+    infos = zip_bounds.entries(path, f"{what} {path}")
+    return max((i.file_size for i in infos if i.filename.endswith("/data.pkl")), default=0)
 
 
 def _load(path: str, what: str, root: str, max_bytes: int, mmap: bool = False):

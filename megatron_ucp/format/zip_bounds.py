@@ -76,6 +76,16 @@ def _entries(f, where: str, size: int) -> list:
     return infos
 
 
+def entries(path: str, where: str) -> list:
+    """The zip entries (zipfile.ZipInfo) of a torch.save file, its directory bounded before
+    zipfile parses it (`_entries`)."""
+    try:
+        with open(path, "rb") as f:
+            return _entries(f, where, f.seek(0, os.SEEK_END))
+    except OSError as e:
+        raise FormatError(f"{where}: not a readable zip file ({e})") from None
+
+
 def _inflates_as_declared(archive: zipfile.ZipFile, info, where: str) -> None:
     """Read a DEFLATEd entry through zipfile, never past its declared size (zipfile stops there
     and checks the CRC-32 at the end)."""
