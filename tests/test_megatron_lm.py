@@ -196,6 +196,7 @@ def test_moe_with_expert_biases_resumes_from_ep2_on_ep1(python, tmp_path):
     assert max_delta(ref.losses(), r.losses(), range(K + 1, N + 1)) <= TOL
 
 
+@pytest.mark.slow  # run by hand (CI time); MLA's resume matrix runs in the own loop (test_variant_matrix)
 def test_mla_resumes_from_tp2_on_pp2(python, tmp_path):
     ckpt = tmp_path / "ckpt"
     ref = run(python, tmp_path / "ref", 2, MLA + TP2 + UNIVERSAL + ["--save", str(ckpt),
@@ -351,6 +352,7 @@ def test_megatron_fsdp_resumes_on_pp2_with_the_distributed_optimizer_and_back(py
                    back=["--data-parallel-sharding-strategy", "optim"])
 
 
+@pytest.mark.slow  # run by hand (CI time); fine-tuning: test_finetune_loads_the_weights_and_starts_over
 def test_megatron_fsdp_finetunes_from_the_weights_as_pp2_does(python, tmp_path):
     """--finetune (weights only, a fresh Adam) into Megatron-FSDP, whose main weights are its own
     copy (fp32 runs too) that megatron does not refresh from loaded weights: they must be, or
@@ -492,6 +494,7 @@ def test_recompute_eod_masking_and_warmup_survive_a_resume_on_another_layout(pyt
         {i: reference_lr[i] for i in range(K + 1, N + 1)}, rel=1e-12)
 
 
+@pytest.mark.slow  # run by hand (CI time); one flag's schedule
 def test_override_opt_param_scheduler_takes_the_command_lines_schedule(python, corpus, features, tmp_path):
     """Megatron-LM's semantics: a schedule that differs from the checkpoint's is refused, unless
     --override-opt_param-scheduler, which takes the command line's values and keeps the
