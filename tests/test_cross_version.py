@@ -51,6 +51,7 @@ def other() -> str:
     return python
 
 
+@pytest.mark.slow  # run by hand (CI time): the cross-release resumes load every name
 def test_atomic_names_are_the_same_under_both(other, tmp_path):
     layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                "ep2": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]}
