@@ -9,21 +9,26 @@
    together they cover every tensor: local_check), then read them, each once, no further than
    that size, checked against its CRC-32; a bad copy makes them choose again without it (the
    next copy, the next iteration).
-3. Each node's leader receives the pieces its node lacks from a node that holds them, then
-   writes them all into a universal checkpoint folder under its dir (the save's own file
-   layout; no block checksums: the folder lives for this load only).
-4. Every rank loads that folder universally: it reads just its slices, resharded. The load
-   does not hash again: every byte was checked against its piece's CRC-32 in step 1, and the
-   folder was written by this restart a moment before.
+3. Each node's leader receives the pieces its node lacks from a node that holds them (each
+   byte once per receiving node) and keeps them in its dir as the node's own copies
+   (local_piece.keep_copy: written beside and renamed, the iteration marked complete on a node
+   that had none: a restart killed here leaves the tier as usable as before, and the next
+   restart reads them locally). No folder is assembled: the pieces the leader checked stay
+   on disk, in the node's page cache, and only those it sends are kept in memory.
+4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
+   manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
+   needs is read from the pieces that hold it through an index of their runs, nothing else
+   (a rank of the saving layout that owned all it holds reads its own piece alone). The
+   load does not hash again: every byte was checked against its piece's CRC-32 in step 2 (or
+   by the sender), and each rank checks that a piece's header is the one its leader checked.
+   The resume proof runs after it; a disproved iteration is set aside, the next one tried.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
 Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
 restore will take (its COMPLETE markers record it): padding rows take part in the softmax, so
 the model must be built with the checkpoint's, as for a persistent checkpoint.
 """
 
-import dataclasses
 import os
-import shutil
 import socket
 import time
 
@@ -35,13 +40,10 @@ from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywher
 from megatron_ucp.engine.load import load_universal
 from megatron_ucp.engine.local_tier import CPU, exchange_bytes
 from megatron_ucp.engine.proof import ResumeProofError
-from megatron_ucp.engine.planner import part_shapes_of
+from megatron_ucp.engine.piece_reads import PieceSource
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
-from megatron_ucp.format import folder, local_piece, tensor_io
-from megatron_ucp.format.layout import region_runs
-from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
-from megatron_ucp.format.tensor_entry import TensorEntry, file_layout, file_tensor_name
-from megatron_ucp.mcore import rng
+from megatron_ucp.format import folder, local_piece
+from megatron_ucp.format.manifest import architecture, check_architecture
 from megatron_ucp.mcore.flag_validation import keeps_saved_padding
 from megatron_ucp.mcore.model_map import padded_vocab, unwrap
 
@@ -188,54 +190,62 @@ def _choose(tier, found: list, newer_than: int):
         found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
 
 
-def _gather_pieces(tier, choice, held: dict) -> dict:
-    """Leaders: {saving rank: bytes} of every piece of the chosen iteration: `held` (read here)
-    and the others received from the node that holds them; other ranks: {}."""
+def _receive(tier, choice, held: dict, here: dict, found) -> tuple:
+    """Collective: every node's leader receives the pieces its node lacks from the node that
+    holds them (each byte once per receiving node) and keeps them as this node's copies
+    (local_piece.keep_copy; the iteration marked complete here once all are down). `held`: the
+    pieces this leader sends; `here`: {saving rank: (bytes, header digest)} of those this node
+    checked. Returns ({saving rank: (bytes, header digest)} of every piece on this node, on
+    every rank of the node; bytes this node received; why a node cannot keep them, or None)."""
     rank = dist.get_rank()
     moves = local_plan.transfers(choice, tier.hosts)
     sends = [(receiver, held[saved]) for sender, receiver, saved in moves if sender == rank]
     receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
     received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
-    if not tier.leader:
-        return {}
-    return {**held, **{saved: received[i] for i, (_, saved) in enumerate(receiving)}}
+    checked, refused, nbytes = dict(here), None, 0
+    if tier.leader:
+        incoming = {saved: received[i] for i, (_, saved) in enumerate(receiving)}
+        received = None
+        nbytes = sum(len(d) for d in incoming.values())
+        crcs = {c.rank: c.crc32 for node in found for it in node if it.iteration == choice.iteration
+                and it.refused is None for c in it.copies if c.bad is None and c.host in choice.holders.get(c.rank, ())}
+        try:
+            refused = _keep(tier, choice, incoming, crcs, found)
+        except OSError as e:
+            refused = f"keeping the received pieces on {tier.host} failed ({e})"
+        checked.update({saved: (len(data), _digest(data)) for saved, data in incoming.items()})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (tier.host, checked, nbytes, refused) if tier.leader else None, group=tier.group)
+    mine = next(x for x in everyone if x is not None and x[0] == tier.host)
+    return mine[1], mine[2], next((x[3] for x in everyone if x is not None and x[3]), None)
 
 
-def assemble(root: str, iteration: int, pieces: dict) -> str:
-    """Write `pieces` ({saving rank: bytes}) as the universal checkpoint of `iteration` under
-    `root`: files at full size, every region written where it belongs, the manifest from rank
-    0's piece, commit. Returns the folder."""
-    decoded = {r: local_piece.decode(data, local_piece.piece_path("<received>", iteration, r))
-               for r, data in pieces.items()}
-    head = dict(decoded[0][0]["head"])
-    where = f"rank 0's local piece of iteration {iteration}"
-    entries = {n: TensorEntry.from_json(n, e, where, FORMAT_VERSION) for n, e in head["tensors"].items()}
-    layouts = {n: file_layout(e) for n, e in entries.items()}
-    part_shapes = part_shapes_of(entries)
-    shutil.rmtree(root, ignore_errors=True)
-    tmp = folder.begin(root, iteration)
-    tensor_io.in_parallel(lambda n: tensor_io.create_tensor_file(os.path.join(tmp, entries[n].file), layouts[n]),
-                          list(entries))
-    by_file = {}
-    for saved, (meta, regions) in sorted(decoded.items()):
-        for name, region, states in regions:
-            by_file.setdefault(name, []).append((region, states))
-        if meta.get("rng") is not None:
-            rng.save(os.path.join(tmp, "rng"), saved, meta["rng"])
+def _digest(data: bytes) -> str:
+    """The header digest of a piece's bytes (local_piece.read_header's)."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    return local_piece.header_digest(data[8:8 + n])
 
-    def write_file(name):
-        for region, states in by_file[name]:
-            runs = region_runs(part_shapes[(name, region.part)], region)
-            for state, data in states.items():
-                tensor_io.write_runs(os.path.join(tmp, entries[name].file), layouts[name],
-                                     file_tensor_name(state, region.part), runs, data)
 
-    tensor_io.in_parallel(write_file, list(by_file))
-    # No block checksums and no fsync: the pieces were checked, the folder lives only for this
-    # load (a restart that dies in it assembles it again), and the load does not hash it.
-    head["tensors"] = {n: dataclasses.replace(e, file_size=layouts[n].file_size).to_json()
-                       for n, e in entries.items()}
-    return folder.commit(root, tmp, iteration, head)
+def _keep(tier, choice, incoming: dict, crcs: dict, found):
+    """Leaders: the received pieces kept in this node's folder of the iteration (made and
+    marked as the job's where the node had none; then marked complete: it holds every piece
+    now). Returns why they cannot be (a folder of that iteration the tier did not write for
+    this job), or None."""
+    if not incoming:
+        return None
+    path = folder.iteration_dir(tier.node_dir, choice.iteration)
+    fresh = not os.path.exists(os.path.join(path, local_piece.COMPLETE))
+    if fresh:
+        refused = local_piece.prepare(tier.node_dir, choice.iteration, tier.job)
+        if refused:
+            return refused
+    slot = {"world": choice.world, "job": tier.job}
+    for saved, data in sorted(incoming.items()):
+        local_piece.keep_copy(tier.node_dir, choice.iteration, saved, data, crcs[saved], slot)
+    if fresh:
+        local_piece.mark_complete(tier.node_dir, choice.iteration, choice.world, tier.job,
+                                  local_plan.padded_vocab_of(found, choice.iteration))
+    return None
 
 
 def restore(tier, args, state, newer_than: int, reseed=None):
@@ -247,66 +257,82 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                           group=tier.group)
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, mine, group=tier.group)
-    choice, held = _choose(tier, [f for f in found if f is not None], newer_than)
+    found = [f for f in found if f is not None]
+    choice, held = _choose(tier, found, newer_than)
+    target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
     if choice.iteration is None:
         if rank == 0 and choice.notes:
-            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
             print(" local checkpoint tier: " + "; ".join(choice.notes)
                   + f"; falling back to the persistent checkpoint ({target})", flush=True)
         return None
     marks = [time.perf_counter()]
-    pieces = run_everywhere(_gather_pieces, tier, choice, held, group=tier.group)
+    sending = {saved for sender, _, saved in local_plan.transfers(choice, tier.hosts) if sender == rank}
+    here = {r: (len(data), _digest(data)) for r, data in held.items()}
+    held = {r: data for r, data in held.items() if r in sending}  # the others are read in place
+    checked, received, refused = run_everywhere(_receive, tier, choice, held, here, found, group=tier.group)
     held = None
     marks.append(time.perf_counter())
-    root = os.path.join(tier.node_dir, local_piece.RESTORE)
-    run_everywhere(lambda: assemble(root, choice.iteration, pieces) if tier.leader else None,
-                   group=tier.group)
-    pieces = None  # the bytes are in the folder now
+    source, misfit = None, None
+    if refused is None:
+        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, group=tier.group)
+    if source is not None:
+        misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
+        misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
     marks.append(time.perf_counter())
-    misfit = _misfit(root, choice.iteration, state.model, args.vocab_size)
-    misfit = misfit or _padding_misfit(root, choice.iteration, state.model, args.vocab_size)
-    if not all_true(misfit is None, group=tier.group, device=CPU):
+    if not all_true(refused is None and misfit is None, group=tier.group, device=CPU):
         if rank == 0:
-            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
-            print(f" local checkpoint tier: iteration {choice.iteration} was saved by another model "
-                  f"({misfit or 'on another rank'}); falling back to the persistent checkpoint ({target})",
-                  flush=True)
-        dist.barrier(group=tier.group)
-        if tier.leader:
-            shutil.rmtree(root, ignore_errors=True)
+            why = (f"was saved by another model ({misfit or 'on another rank'})" if refused is None
+                   else f"not restored ({refused})")
+            print(f" local checkpoint tier: iteration {choice.iteration} {why}; falling back to the persistent "
+                  f"checkpoint ({target})", flush=True)
+        if source is not None:
+            source.close()
         return None
     try:
-        result = load_universal(root, state.model, state.optimizer, state.scheduler,
+        result = load_universal(tier.node_dir, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=choice.iteration,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                                 load_scheduler=not args.no_load_scheduler, strict=not args.no_strict_load,
                                 verify=False, reseed=reseed, read_policy=args.ckpt_read_policy,
-                                prove=not getattr(args, "no_resume_proof", False), tier="local")
+                                prove=not getattr(args, "no_resume_proof", False), tier="local", source=source)
     except ResumeProofError as e:
-        return _disproved(tier, args, state, newer_than, reseed, choice.iteration, root, e)
-    dist.barrier(group=tier.group)
-    if tier.leader:
-        shutil.rmtree(root, ignore_errors=True)
+        source.close()  # before the next iteration's restore opens its own
+        return _disproved(tier, args, state, newer_than, reseed, choice.iteration, e)
+    finally:
+        source.close()
     tier.restored = choice.iteration
+    tier.restore_stats = {"received": received, "read": sum(source.touched.values()),
+                          "pieces_read": sorted(source.touched)}
     if rank == 0:
         nodes = sorted({h for hs in choice.holders.values() for h in hs})
         notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
-        spans = (f"inventory {marks[0] - start:.2f}, pieces {marks[1] - marks[0]:.2f}, assembly "
+        spans = (f"inventory and checks {marks[0] - start:.2f}, transfers {marks[1] - marks[0]:.2f}, index "
                  f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}){notes}", flush=True)
+              f"{newer_than if newer_than >= 0 else 'none'}; this rank read {_mb(source.touched)} MB from "
+              f"{len(source.touched)} piece(s), its node received {received / 1e6:.1f} MB){notes}", flush=True)
     return result
 
 
-def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, root: str, error):
+def _open(node_dir: str, iteration: int, checked: dict):
+    """(the pieces' reader, None), or (None, why it cannot read them: a piece that changed
+    after the leader checked it, a head that is no manifest)."""
+    try:
+        return PieceSource(node_dir, iteration, checked), None
+    except (FormatError, IncompleteCheckpointError, IntegrityError, LayoutError) as e:
+        return None, str(e)
+
+
+def _mb(touched: dict) -> str:
+    return f"{sum(touched.values()) / 1e6:.1f}"
+
+
+def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, error):
     """A local iteration whose restored state failed its resume proof: set aside on every node
     (no restart takes it again), then the next local iteration, else the persistent tier. The
     model already holds the refused state: with no persistent checkpoint to overwrite it, the
     job stops and its restart trains from scratch."""
-    dist.barrier(group=tier.group)
-    if tier.leader:
-        shutil.rmtree(root, ignore_errors=True)
     set_aside(tier, iteration)
     if dist.get_rank() == 0:
         print(f" local checkpoint tier: iteration {iteration} set aside: {error}", flush=True)
@@ -318,23 +344,22 @@ def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, root:
     return result
 
 
-def _misfit(root: str, iteration: int, model, vocab_size: int):
-    """Why the assembled checkpoint does not fit this model (a tier left by another run in the
+def _misfit(m, model, vocab_size: int, where: str):
+    """Why the pieces' manifest `m` does not fit this model (a tier left by another run in the
     same dir), or None; checked before any tensor is loaded, so that the fallback starts clean."""
     try:
-        m = read_manifest(folder.iteration_dir(root, iteration))
-        check_architecture(m.architecture, architecture(unwrap(model[0]), vocab_size), root)
+        check_architecture(m.architecture, architecture(unwrap(model[0]), vocab_size), where)
     except LayoutError as e:
         return str(e).split(": ", 1)[-1]
     return None
 
 
-def _padding_misfit(root: str, iteration: int, model, vocab_size: int):
+def _padding_misfit(m, model, vocab_size: int):
     """Why the assembled checkpoint's padded vocabulary is not the model's where a restart
     restoring it keeps it (padding rows take part in the softmax: other padding, another loss),
     or None. The trainers build the padding of the iteration `peek` finds; this catches a
     restore that ends on another one, or markers that do not record it."""
-    saved = read_manifest(folder.iteration_dir(root, iteration)).layout.get("padded_vocab_size")
+    saved = m.layout.get("padded_vocab_size")
     built = _other_padding(saved, model, vocab_size)
     if built is None:
         return None

@@ -34,7 +34,6 @@ from megatron_ucp.format.layout import Region
 from megatron_ucp.format.safe_files import open_regular, read_bounded, read_json
 
 COMPLETE = "COMPLETE"
-RESTORE = "restore"  # a node's assembled universal checkpoint, while a restart loads it
 MAX_HEADER_BYTES = 256 * 2**20
 MAX_SIDECAR_BYTES = 4096  # a sidecar or COMPLETE marker: a few integers as JSON
 MAX_WORLD = 1 << 17  # a COMPLETE marker's world beyond this is not believed
@@ -113,6 +112,26 @@ def write_piece(node_dir: str, iteration: int, rank: int, data: bytes, slot: dic
     atomic_write_bytes(path, data)
     atomic_write_json(sidecar_path(node_dir, iteration, rank),
                       dict(slot or {}, rank=rank, iteration=iteration, bytes=len(data), crc32=zlib.crc32(data)))
+
+
+def keep_copy(node_dir: str, iteration: int, rank: int, data: bytes, crc: int, slot: dict) -> None:
+    """A piece received by a restart, kept as this node's copy (it serves the next restart
+    too): the piece, then its sidecar with the CRC-32 the sender's copy was checked against,
+    each written beside and renamed into place, so that a restart killed here leaves either no
+    copy or a whole one. Not fsynced: a copy torn by a power loss fails its CRC-32 and is not
+    used."""
+    path = piece_path(node_dir, iteration, rank)
+    for target, payload in ((path, data), (sidecar_path(node_dir, iteration, rank), json.dumps(
+            dict(slot, rank=rank, iteration=iteration, bytes=len(data), crc32=crc)).encode())):
+        tmp = f"{target}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
 
 
 def _count(record: dict, key: str, path: str, low: int = 0, high: Optional[int] = None) -> int:
