@@ -301,8 +301,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     finally:
         source.close()
     tier.restored = choice.iteration
-    tier.restore_stats = {"received": received, "read": sum(source.touched.values()),
-                          "pieces_read": sorted(source.touched)}
+    tier.restore_stats = {"received": received, "read": dict(source.touched)}  # bytes: node; rank, per piece
     if rank == 0:
         nodes = sorted({h for hs in choice.holders.values() for h in hs})
         notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
