@@ -217,7 +217,8 @@ def _receive(tier, choice, held: dict, here: dict, found) -> tuple:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (tier.host, checked, nbytes, refused) if tier.leader else None, group=tier.group)
     mine = next(x for x in everyone if x is not None and x[0] == tier.host)
-    return mine[1], mine[2], next((x[3] for x in everyone if x is not None and x[3]), None)
+    by_node = {x[0]: x[2] for x in everyone if x is not None}
+    return mine[1], by_node, next((x[3] for x in everyone if x is not None and x[3]), None)
 
 
 def _digest(data: bytes) -> str:
@@ -301,7 +302,9 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     finally:
         source.close()
     tier.restored = choice.iteration
-    tier.restore_stats = {"received": received, "read": dict(source.touched)}  # bytes: node; rank, per piece
+    tier.restore_stats = {"received": received[tier.host], "read": dict(source.touched)}  # node; rank
+    loads = [None] * dist.get_world_size()  # what each rank loaded: from the pieces, from replicas
+    dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged), group=tier.group)
     if rank == 0:
         nodes = sorted({h for hs in choice.holders.values() for h in hs})
         notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
@@ -309,8 +312,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                  f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}; this rank read {_mb(source.touched)} MB from "
-              f"{len(source.touched)} piece(s), its node received {received / 1e6:.1f} MB){notes}", flush=True)
+              f"{newer_than if newer_than >= 0 else 'none'}; {_traffic(received, loads)}){notes}", flush=True)
     return result
 
 
@@ -323,8 +325,14 @@ def _open(node_dir: str, iteration: int, checked: dict):
         return None, str(e)
 
 
-def _mb(touched: dict) -> str:
-    return f"{sum(touched.values()) / 1e6:.1f}"
+def _traffic(received: dict, loads: list) -> str:
+    """Per node: MB received from other nodes / MB its ranks loaded (from the pieces and from
+    their replica groups; a byte two ranks of a node load counts twice)."""
+    loaded: dict = {}
+    for host, nbytes in loads:
+        loaded[host] = loaded.get(host, 0) + nbytes
+    return "MB received / loaded: " + ", ".join(
+        f"{host} {received.get(host, 0) / 1e6:.1f} / {loaded[host] / 1e6:.1f}" for host in sorted(loaded))
 
 
 def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, error):

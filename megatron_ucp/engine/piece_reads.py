@@ -43,14 +43,8 @@ class PieceSource:
         listed = {}
         for rank, (nbytes, digest) in sorted(checked.items()):
             path = local_piece.piece_path(node_dir, iteration, rank)
-            meta, table, header_len, size, found = local_piece.read_header(path)
-            if found != digest or size != nbytes:
-                raise IntegrityError(f"{path}: changed after it was checked ({size} bytes, {nbytes} checked)")
-            regions, _ = piece_layout(meta, table, header_len, path)
-            base = 8 + header_len
-            listed[rank] = [(name, region, {s: base + table[f"{i}.{s}"]["data_offsets"][0] for s in states})
-                            for i, (name, region, states) in enumerate(regions)]
-            self.paths[rank], self.metas[rank] = path, meta
+            self.metas[rank], listed[rank] = piece_regions(path, nbytes, digest)
+            self.paths[rank] = path
         if 0 not in self.metas:
             raise IncompleteCheckpointError(f"{self.where}: rank 0's piece (the manifest head) is not here")
         self.manifest = _manifest(self.metas[0].get("head"), self.paths[0], self.where)
@@ -115,6 +109,18 @@ class PieceSource:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds = {}
+
+
+def piece_regions(path: str, nbytes: int, digest=None):
+    """(metadata, [(atomic tensor, Region, {state: byte offset of its data})]) of a piece, from
+    its header, which must be the one checked (`digest`, None: any) of a file of `nbytes`."""
+    meta, table, header_len, size, found = local_piece.read_header(path)
+    if (digest is not None and found != digest) or size != nbytes:
+        raise IntegrityError(f"{path}: changed after it was checked ({size} bytes, {nbytes} checked)")
+    regions, _ = piece_layout(meta, table, header_len, path)
+    base = 8 + header_len
+    return meta, [(name, region, {s: base + table[f"{i}.{s}"]["data_offsets"][0] for s in states})
+                  for i, (name, region, states) in enumerate(regions)]
 
 
 def _manifest(head, path: str, where: str) -> mf.Manifest:
