@@ -271,7 +271,7 @@ MLM_VOCAB = ["--vocab-size", "307", "--make-vocab-size-divisible-by", "128", "--
              "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--lr-decay-iters", "20"]
 MLM_SOURCES = {"tp2pp2_dist": ([], TP2 + PP2 + DIST, 4)}
 MLM_TARGETS = {1: [("tp2pp2_dist", []), ("tp2pp2_dist", ELASTIC)],
-               2: [("pp2", PP2), ("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", TP2)]}
+               2: [("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", TP2)]}
 MLM_SLOW_SOURCES = {"pp2_vpp_dp2_dist": ([], PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + DIST, 4),
                     "moe_ep2_tp2": (MOE[:-1] + ["--disable-bias-linear"], TP2 + SP + EP2 + DIST, 4)}
 MLM_SLOW_TARGETS = {

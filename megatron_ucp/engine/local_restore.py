@@ -35,10 +35,10 @@ import time
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ucp.engine import local_check, local_plan
+from megatron_ucp.engine import local_check, local_plan, local_receive
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.load import load_universal
-from megatron_ucp.engine.local_tier import CPU, exchange_bytes
+from megatron_ucp.engine.local_tier import CPU
 from megatron_ucp.engine.proof import ResumeProofError
 from megatron_ucp.engine.piece_reads import PieceSource
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
@@ -145,18 +145,20 @@ def peek(root: str, newer_than: int, job):
     return choice.iteration, local_plan.padded_vocab_of(found, choice.iteration)
 
 
-def _read_held(tier, choice, copies, digests):
-    """Leaders: ({saving rank: bytes} of the sound copies of the chosen iteration on this node,
-    [(host, iteration, rank, why)] of the bad ones), each piece read once, no further than its
-    checked size, and checked against its CRC-32; other ranks: ({}, [])."""
+def _read_held(tier, choice, copies, digests, keep):
+    """Leaders: ({saving rank: its bytes where `keep(rank)` (it is sent), else its header's
+    digest (it is read in place later)} of the sound copies of the chosen iteration on this
+    node, [(host, iteration, rank, why)] of the bad ones), each piece read once, no further
+    than its checked size, and checked against its CRC-32; other ranks: ({}, [])."""
     held, bad = {}, []
     if not tier.leader:
         return held, bad
     for rank, holding in choice.holders.items():
         if tier.host in holding:
+            read = local_piece.read_piece if keep(rank) else local_piece.check_piece
             try:
-                held[rank] = local_piece.read_piece(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
-                                                    copies[rank].crc32, digests.get(rank))
+                held[rank] = read(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
+                                  copies[rank].crc32, digests.get(rank))
             except IntegrityError as e:
                 bad.append((tier.host, choice.iteration, rank, str(e)))
     return held, bad
@@ -168,10 +170,12 @@ def _gathered(value, group) -> list:
     return [x for rank_value in everyone for x in rank_value]
 
 
-def _choose(tier, found: list, newer_than: int):
+def _choose(tier, found: list, newer_than: int, kept=None):
     """(choice, pieces this node holds of it): choose; check the chosen iteration's copies
     from their headers (slot, size, regions, the coverage of every tensor: local_check.vet),
-    then read them; choose again without what was found bad until every piece read is sound."""
+    then read them; choose again without what was found bad until every piece read is sound.
+    `kept(choice)`: the saving ranks whose pieces are kept in memory (those this rank sends;
+    None: all), the others as their header digest (_read_held)."""
     while True:
         choice = local_plan.choose(found, newer_than)
         if choice.iteration is None:
@@ -182,71 +186,13 @@ def _choose(tier, found: list, newer_than: int):
             found = local_plan.refuse(found, choice.iteration, problem)
             continue
         if not bad:
-            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, group=tier.group)
+            keep = (lambda r: True) if kept is None else kept(choice).__contains__
+            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, keep, group=tier.group)
             bad = _gathered(bad, tier.group)
             if not bad:
                 return choice, held
             bad = [(h, r, w) for h, _, r, w in bad]
         found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
-
-
-def _receive(tier, choice, held: dict, here: dict, found) -> tuple:
-    """Collective: every node's leader receives the pieces its node lacks from the node that
-    holds them (each byte once per receiving node) and keeps them as this node's copies
-    (local_piece.keep_copy; the iteration marked complete here once all are down). `held`: the
-    pieces this leader sends; `here`: {saving rank: (bytes, header digest)} of those this node
-    checked. Returns ({saving rank: (bytes, header digest)} of every piece on this node, on
-    every rank of the node; bytes this node received; why a node cannot keep them, or None)."""
-    rank = dist.get_rank()
-    moves = local_plan.transfers(choice, tier.hosts)
-    sends = [(receiver, held[saved]) for sender, receiver, saved in moves if sender == rank]
-    receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
-    received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
-    checked, refused, nbytes = dict(here), None, 0
-    if tier.leader:
-        incoming = {saved: received[i] for i, (_, saved) in enumerate(receiving)}
-        received = None
-        nbytes = sum(len(d) for d in incoming.values())
-        crcs = {c.rank: c.crc32 for node in found for it in node if it.iteration == choice.iteration
-                and it.refused is None for c in it.copies if c.bad is None and c.host in choice.holders.get(c.rank, ())}
-        try:
-            refused = _keep(tier, choice, incoming, crcs, found)
-        except OSError as e:
-            refused = f"keeping the received pieces on {tier.host} failed ({e})"
-        checked.update({saved: (len(data), _digest(data)) for saved, data in incoming.items()})
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tier.host, checked, nbytes, refused) if tier.leader else None, group=tier.group)
-    mine = next(x for x in everyone if x is not None and x[0] == tier.host)
-    by_node = {x[0]: x[2] for x in everyone if x is not None}
-    return mine[1], by_node, next((x[3] for x in everyone if x is not None and x[3]), None)
-
-
-def _digest(data: bytes) -> str:
-    """The header digest of a piece's bytes (local_piece.read_header's)."""
-    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-    return local_piece.header_digest(data[8:8 + n])
-
-
-def _keep(tier, choice, incoming: dict, crcs: dict, found):
-    """Leaders: the received pieces kept in this node's folder of the iteration (made and
-    marked as the job's where the node had none; then marked complete: it holds every piece
-    now). Returns why they cannot be (a folder of that iteration the tier did not write for
-    this job), or None."""
-    if not incoming:
-        return None
-    path = folder.iteration_dir(tier.node_dir, choice.iteration)
-    fresh = not os.path.exists(os.path.join(path, local_piece.COMPLETE))
-    if fresh:
-        refused = local_piece.prepare(tier.node_dir, choice.iteration, tier.job)
-        if refused:
-            return refused
-    slot = {"world": choice.world, "job": tier.job}
-    for saved, data in sorted(incoming.items()):
-        local_piece.keep_copy(tier.node_dir, choice.iteration, saved, data, crcs[saved], slot)
-    if fresh:
-        local_piece.mark_complete(tier.node_dir, choice.iteration, choice.world, tier.job,
-                                  local_plan.padded_vocab_of(found, choice.iteration))
-    return None
 
 
 def restore(tier, args, state, newer_than: int, reseed=None):
@@ -259,7 +205,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, mine, group=tier.group)
     found = [f for f in found if f is not None]
-    choice, held = _choose(tier, found, newer_than)
+    choice, held = _choose(tier, found, newer_than, lambda c: local_receive.sent_by(tier, c))
     target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
     if choice.iteration is None:
         if rank == 0 and choice.notes:
@@ -267,10 +213,10 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                   + f"; falling back to the persistent checkpoint ({target})", flush=True)
         return None
     marks = [time.perf_counter()]
-    sending = {saved for sender, _, saved in local_plan.transfers(choice, tier.hosts) if sender == rank}
-    here = {r: (len(data), _digest(data)) for r, data in held.items()}
-    held = {r: data for r, data in held.items() if r in sending}  # the others are read in place
-    checked, received, refused = run_everywhere(_receive, tier, choice, held, here, found, group=tier.group)
+    copies = local_plan.held_copies(found, choice.iteration, tier.host)
+    here = {r: (copies[r].nbytes, data if isinstance(data, str) else local_receive.digest(data)) for r, data in held.items()}
+    held = {r: data for r, data in held.items() if not isinstance(data, str)}
+    checked, received, refused = run_everywhere(local_receive.receive, tier, choice, held, here, found, group=tier.group)
     held = None
     marks.append(time.perf_counter())
     source, misfit = None, None
@@ -312,7 +258,7 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                  f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}; {_traffic(received, loads)}){notes}", flush=True)
+              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads)}){notes}", flush=True)
     return result
 
 
@@ -323,16 +269,6 @@ def _open(node_dir: str, iteration: int, checked: dict):
         return PieceSource(node_dir, iteration, checked), None
     except (FormatError, IncompleteCheckpointError, IntegrityError, LayoutError) as e:
         return None, str(e)
-
-
-def _traffic(received: dict, loads: list) -> str:
-    """Per node: MB received from other nodes / MB its ranks loaded (from the pieces and from
-    their replica groups; a byte two ranks of a node load counts twice)."""
-    loaded: dict = {}
-    for host, nbytes in loads:
-        loaded[host] = loaded.get(host, 0) + nbytes
-    return "MB received / loaded: " + ", ".join(
-        f"{host} {received.get(host, 0) / 1e6:.1f} / {loaded[host] / 1e6:.1f}" for host in sorted(loaded))
 
 
 def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, error):

@@ -206,6 +206,40 @@ def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int
     return data
 
 
+CHECK_CHUNK = 8 * 2**20  # check_piece's buffer
+
+
+def check_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int, digest: str = None) -> str:
+    """read_piece's checks (size, CRC-32, the checked header; IntegrityError naming the file),
+    streamed through one buffer instead of kept: for a piece the restore then reads in place.
+    Returns its header's digest."""
+    path = piece_path(node_dir, iteration, rank)
+    try:
+        fd = open_regular(path, "local-tier piece")
+    except (FormatError, IncompleteCheckpointError) as e:
+        raise IntegrityError(f"{path}: unreadable ({e})") from None
+    try:
+        view = memoryview(bytearray(max(1, min(CHECK_CHUNK, nbytes))))
+        crc = pos = 0
+        while pos < nbytes:
+            n = os.preadv(fd, [view[:min(len(view), nbytes - pos)]], pos)
+            if n == 0:
+                break
+            crc, pos = zlib.crc32(view[:n], crc), pos + n
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        raw = os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES), 8) if len(head) == 8 else b""
+    finally:
+        os.close(fd)
+    if pos != nbytes or size != nbytes:
+        raise IntegrityError(f"{path}: {size} bytes, its sidecar says {nbytes}")
+    if crc != crc32:
+        raise IntegrityError(f"{path}: CRC-32 {crc:08x} differs from the saved {crc32:08x}")
+    if digest is not None and header_digest(raw) != digest:
+        raise IntegrityError(f"{path}: its header changed after it was checked")
+    return header_digest(raw)
+
+
 def mark_complete(node_dir: str, iteration: int, world: int, job=None, padded_vocab_size: Optional[int] = None) -> None:
     """The marker names the job and records the saving model's padded vocabulary: a restart
     reads it before it builds its model (padding rows take part in the softmax; local_restore.peek)."""
