@@ -4,13 +4,11 @@ copies (written beside and renamed; marked complete where the node had none of t
 iteration), so that a restart killed meanwhile leaves the tier usable and the next one reads
 them locally."""
 
-import os
-
 import torch.distributed as dist
 
 from megatron_ucp.engine import local_plan
 from megatron_ucp.engine.local_tier import exchange_bytes
-from megatron_ucp.format import folder, local_piece
+from megatron_ucp.format import local_piece
 
 
 def receive(tier, choice, held: dict, here: dict, found) -> tuple:
@@ -52,13 +50,14 @@ def digest(data: bytes) -> str:
 
 def keep(tier, choice, incoming: dict, crcs: dict, found):
     """Leaders: the received pieces kept in this node's folder of the iteration (made and
-    marked as the job's where the node had none; then marked complete: it holds every piece
-    now). Returns why they cannot be (a folder of that iteration the tier did not write for
-    this job), or None."""
+    marked as the job's where the node listed none of it; then marked complete: it holds every
+    piece now). Returns why they cannot be (a folder of that iteration the tier did not write
+    for this job, or a link), or None."""
     if not incoming:
         return None
-    path = folder.iteration_dir(tier.node_dir, choice.iteration)
-    fresh = not os.path.exists(os.path.join(path, local_piece.COMPLETE))
+    # A node whose inventory listed copies of the iteration holds this job's folder of it;
+    # any other folder of that name is made anew (prepare: a foreign one or a link is refused).
+    fresh = not local_plan.held_copies(found, choice.iteration, tier.host)
     if fresh:
         refused = local_piece.prepare(tier.node_dir, choice.iteration, tier.job)
         if refused:

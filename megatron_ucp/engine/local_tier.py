@@ -5,8 +5,9 @@ write them to theirs. Training waits only for the in-memory copy. Restores are
 local_restore.py's.
 
 Why a piece and not the atomic files: a node-local dir sees only its own ranks' writes, so
-each node keeps whole pieces that any node can read back or send, and a restart assembles
-them into a universal folder that loads on any layout (docs/elastic.md, "The local tier").
+each node keeps whole pieces that any node can read back or send, and a restart loads them
+as a universal checkpoint on any layout, in place (engine/piece_reads.py; docs/elastic.md,
+"The local tier").
 """
 
 import hashlib

@@ -11,8 +11,9 @@ pieces, and the tier removes only folders it marked as its own job's.
 A piece is a valid safetensors file (fp32 tensors "<item>.<state>", no pickle) whose metadata
 holds its regions (atomic tensor, part, box, flat range), the saving rank's RNG state and, on
 rank 0's, the manifest head: what a universal save would have written, so that pieces of any
-layout assemble into a universal checkpoint folder that reshards on load. A node keeps its own
-ranks' pieces (originals) and other nodes' replicas under the same names.
+layout load as a universal checkpoint that reshards (engine/piece_reads.py). A node keeps its
+own ranks' pieces (originals) and other nodes' replicas under the same names, and the pieces a
+restart received (keep_copy).
 """
 
 import hashlib
