@@ -132,7 +132,8 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     load_rng = load_rng and m.rng_saved is not False
     rng_state = None
     if load_rng and not changed:
-        rng_state = rng.read(os.path.join(root, "rng"), dist.get_rank()) if source is None else source.rng(dist.get_rank())
+        rank = dist.get_rank()
+        rng_state = rng.read(os.path.join(root, "rng"), rank) if source is None else source.rng(rank)
     return m, tensors, with_optim, changed, rng_state
 
 

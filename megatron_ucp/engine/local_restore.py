@@ -214,9 +214,11 @@ def restore(tier, args, state, newer_than: int, reseed=None):
         return None
     marks = [time.perf_counter()]
     copies = local_plan.held_copies(found, choice.iteration, tier.host)
-    here = {r: (copies[r].nbytes, data if isinstance(data, str) else local_receive.digest(data)) for r, data in held.items()}
+    here = {r: (copies[r].nbytes, data if isinstance(data, str) else local_receive.digest(data))
+            for r, data in held.items()}
     held = {r: data for r, data in held.items() if not isinstance(data, str)}
-    checked, received, refused = run_everywhere(local_receive.receive, tier, choice, held, here, found, group=tier.group)
+    checked, received, refused = run_everywhere(local_receive.receive, tier, choice, held, here, found,
+                                                group=tier.group)
     held = None
     marks.append(time.perf_counter())
     source, misfit = None, None
@@ -250,7 +252,8 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     tier.restored = choice.iteration
     tier.restore_stats = {"received": received[tier.host], "read": dict(source.touched)}  # node; rank
     loads = [None] * dist.get_world_size()  # what each rank loaded: from the pieces, from replicas
-    dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged), group=tier.group)
+    dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged),
+                           group=tier.group)
     if rank == 0:
         nodes = sorted({h for hs in choice.holders.values() for h in hs})
         notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
@@ -258,7 +261,8 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                  f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads)}){notes}", flush=True)
+              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads)}){notes}",
+              flush=True)
     return result
 
 
