@@ -10,11 +10,12 @@ host name node0 or node1 as tests/runner.py pretends them, TP = nproc, distribut
 saves persistently to `--workdir` every 4 iterations (synchronously: the stall is the whole
 save) and to the local tier in `--local-dir` at iterations 2, 6 with one replica on the other
 node (the stall is the in-memory copy; the write and the replicas run in the background). Then
-restarts, each a fresh job of the same size, after node1 is lost (its dir deleted: node1 is a
+restarts, each a fresh job of the same size, mostly after node1 is lost (its dir deleted: node1 is a
 new, empty node that receives every piece it lacks from node0): from the local tier
 (iteration 6, newer than the persistent 4 they are pointed at) and from the persistent
 checkpoint 4 alone (its files dropped from the page cache first, as bench_checkpoint.py does:
-read from the disk), on the saving layout (TP = nproc) and on another (PP2 x DP nproc/2). The
+read from the disk), on the saving layout (TP = nproc) and on another (PP2 x DP nproc/2); and
+once on the saving layout with no node lost (a process crash: every piece is where it was). The
 recovery time is the loop's own "resumed iteration N in X s"; the local restore's own line
 says where its time goes and the MB each node received against the MB its ranks loaded.
 All "nodes" share this one machine: the transfers are loopback gloo, the disk is one.
@@ -107,24 +108,28 @@ def main() -> int:
              "--num-attention-heads", "8", "--seq-length", "64", "--vocab-size", str(a.vocab_size),
              "--micro-batch-size", "1", "--global-batch-size", str(2 * a.nproc), "--use-distributed-optimizer",
              "--lr-decay-style", "constant"]
-    layouts = {"same layout": ["--tensor-model-parallel-size", str(a.nproc)],
-               "changed layout": ["--pipeline-model-parallel-size", "2"]}
+    same = ["--tensor-model-parallel-size", str(a.nproc)]
+    # restart kind -> (layout, whether node1 is lost first)
+    layouts = {"same, no loss": (same, False), "same layout": (same, True),
+               "changed layout": (["--pipeline-model-parallel-size", "2"], True)}
     tier = ["--local-ckpt-dir", str(local), "--local-save-interval", "2"]
     local_out = {name: "" for name in layouts}
     persistent_out = {name: "" for name in layouts}
     try:
-        out = run(a.nproc, model + layouts["same layout"] + tier
+        out = run(a.nproc, model + same + tier
                   + ["--train-iters", "8", "--save", str(ckpt), "--save-interval", "4"], work)
         stalls = seconds(r"local save at iteration +\d+ started \(([\d.]+) s stall\)", out)
         saves = seconds(r"saved checkpoint at iteration +\d+ to .* in ([\d.]+) s", out)
         for _ in range(a.rounds):  # alternating, so that a busy spell of the machine hits both
-            for name, layout in layouts.items():
+            for name, (layout, lost) in layouts.items():
                 restart = model + layout + ["--train-iters", "9", "--load", str(ckpt), "--ckpt-step", "4",
                                             "--load-universal"]
-                shutil.rmtree(local / "node1", ignore_errors=True)  # node1 lost: a new, empty node
+                if lost:
+                    shutil.rmtree(local / "node1", ignore_errors=True)  # node1 lost: a new, empty node
                 local_out[name] += run(a.nproc, restart + tier[:2] + ["--local-save-interval", "100"], work)
-                drop_cache(ckpt / "iter_0000004")  # the persistent tier is storage: read from the disk
-                persistent_out[name] += run(a.nproc, restart, work)
+                if lost:  # the persistent restart of the saving layout serves both of its kinds
+                    drop_cache(ckpt / "iter_0000004")  # the persistent tier is storage: read from the disk
+                    persistent_out[name] += run(a.nproc, restart, work)
     finally:
         if not a.local_dir:
             shutil.rmtree(local, ignore_errors=True)
@@ -142,7 +147,8 @@ def main() -> int:
           f"persistent / local = {r['stall_ratio']:.1f}x")
     for name in layouts:
         local_s = seconds(r"resumed iteration 6 in ([\d.]+) s", local_out[name])
-        persistent_s = seconds(r"resumed iteration 4 in ([\d.]+) s", persistent_out[name])
+        persistent_s = seconds(r"resumed iteration 4 in ([\d.]+) s",
+                               persistent_out[name] or persistent_out["same layout"])
         lines = re.findall(r"local checkpoint tier: restored.*", local_out[name])
         if not (local_s and persistent_s and lines):
             sys.exit(f"{name}: a timing line is missing:\n" + local_out[name][-2000:] + persistent_out[name][-2000:])
