@@ -55,6 +55,8 @@ def train(step):
         stack.enter_context(environment(step.get("env", {})))
         if step.get("kill_after"):
             _kill_after(stack, step["kill_after"], step.get("wait_for", []))
+        if step.get("die_keeping") and int(os.environ["RANK"]) == step["die_keeping"]["rank"]:
+            _die_keeping(stack, step["die_keeping"]["call"])
         if step.get("hosts"):
             node = step["hosts"][int(os.environ["RANK"])]
             stack.callback(setattr, socket, "gethostname", socket.gethostname)
@@ -120,6 +122,32 @@ def _kill_after(stack, iteration: int, wait_for: list) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     loop._log = dying
+
+
+def _die_keeping(stack, call: int) -> None:
+    """SIGKILL this process inside the `call`-th local_piece.keep_copy of a restore (a received
+    piece kept as the node's copy): after the piece is renamed into place, before its sidecar."""
+    import signal
+
+    from megatron_ucp.format import local_piece
+
+    original, calls = local_piece.keep_copy, [0]
+    stack.callback(setattr, local_piece, "keep_copy", original)
+
+    def dying(*a, **k):
+        calls[0] += 1
+        if calls[0] < call:
+            return original(*a, **k)
+        replace = os.replace
+
+        def replace_then_die(src, dst):
+            replace(src, dst)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        os.replace = replace_then_die
+        return original(*a, **k)
+
+    local_piece.keep_copy = dying
 
 
 @contextlib.contextmanager
@@ -421,6 +449,7 @@ def restore_both(step):
         tier = checkpointing.open_local_tier(args, state)
         iteration, consumed = loop.resume(args, state, tier)
         restored = tier.restored
+        pieces = getattr(tier, "restore_stats", None)
         local = held(args, state, iteration, consumed)
     with loop.session(step["persistent_argv"]) as (args, state):
         iteration, consumed = loop.resume(args, state)
@@ -428,7 +457,7 @@ def restore_both(step):
     found = differences(local, persistent)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"differences": found, "local_restored": restored,
-                                      "keys": len(local), "iteration": iteration})
+                                      "keys": len(local), "iteration": iteration, "pieces": pieces})
     return {"ranks": everyone}
 
 

@@ -71,6 +71,7 @@ def check(results: dict, name: str) -> dict:
 
 # (source name, model flags, saving layout, world size)
 SOURCES = {
+    "pp2": ([], PP2, 2),
     "tp2pp2_dist": ([], TP2 + PP2 + DIST, 4),
     "moe_ep2_tp2": (MOE, TP2 + SP + EP2 + DIST, 4),
 }
@@ -78,7 +79,7 @@ SOURCES = {
 ELASTIC = ["--elastic"] + TP2 + PP2 + DIST  # asks for TP2 x PP2; --elastic fits one process
 TARGETS = {
     1: [("tp2pp2_dist", []), ("tp2pp2_dist", ELASTIC)],
-    2: [("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", VPP), ("moe_ep2_tp2", EP2 + DIST)],
+    2: [("pp2", PP2), ("tp2pp2_dist", PP2), ("tp2pp2_dist", DIST), ("tp2pp2_dist", VPP), ("moe_ep2_tp2", EP2 + DIST)],
 }
 SLOW_SOURCES = {
     "tp1": ([], [], 1),
@@ -167,7 +168,8 @@ def _unrecorded_copy(root: Path, source: str) -> Path:
 
 
 def test_local_restore_is_the_persistent_restore(tmp_path):
-    """The default suite's pairs: TP1 (one process, also as --elastic chooses it), PP2, DP2 with
+    """The default suite's pairs: PP2 to itself (each rank reads its own piece alone), TP1 (one
+    process, also as --elastic chooses it), PP2, DP2 with
     the distributed optimizer and VPP from TP2 x PP2 (distributed optimizer); MoE EP2 x TP2 to EP2 x DP2 (TP2 targets:
     in Megatron-LM's trainer below, and in the slow matrix). And the restore's guard: a local
     iteration whose markers do not say its padded vocabulary (512 rows) while the restart built
@@ -188,6 +190,7 @@ def test_local_restore_is_the_persistent_restore(tmp_path):
                     "--train-iters", str(K), "--load", older, "--local-ckpt-dir", str(corrupt),
                     "--local-save-interval", "1000"]}]
     results = _restored(tmp_path, SOURCES, TARGETS, extra={1: [guard] + fallback})
+    _same_layout_reads_its_own_piece(tmp_path, ok(results, "pp2->" + " ".join(PP2)))
     out = ok(results, "guard")
     assert list(out["losses"]) == ["1"], out["losses"]
     lines = [x for x in out["stdout"].splitlines() if "local checkpoint tier: iteration" in x]
@@ -201,6 +204,30 @@ def test_local_restore_is_the_persistent_restore(tmp_path):
     assert "falling back to the persistent checkpoint (iteration 2)" in out["stdout"]
     assert (" WARNING: the model was built with the local tier's padded vocabulary of 512 rows, but the "
             "persistent checkpoint it falls back to has 384" in out["stdout"]), out["stdout"]
+
+
+def _same_layout_reads_its_own_piece(root: Path, restored: dict) -> None:
+    """Issue 48's fast path: restored on the saving layout (PP2), each rank read its own piece,
+    all of its data, and of the other pieces only what it holds and did not own at the save:
+    the last stage's copy of the tied embedding (the first stage's piece holds it); nothing was
+    received (one node)."""
+    import json
+    import struct
+
+    def data_bytes(rank, tensor=""):
+        (piece,) = (root / "pp2" / "local").glob(f"*/iter_{K:07d}/rank_{rank:05d}.safetensors")
+        with open(piece, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            table = json.loads(f.read(n))
+        regions = json.loads(table.pop("__metadata__")["ucp_local"])["regions"]
+        return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in table.items()
+                   if tensor in regions[int(k.split(".")[0])][0])
+
+    tied = data_bytes(0, "word_embeddings")
+    assert tied > 0
+    want = [{"0": data_bytes(0)}, {"1": data_bytes(1), "0": tied}]
+    for rank, held in enumerate(restored["ranks"]):
+        assert held["pieces"] == {"received": 0, "read": want[rank]}, (rank, held["pieces"], want[rank])
 
 
 @pytest.mark.slow

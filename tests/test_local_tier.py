@@ -97,6 +97,38 @@ def test_node_loss_restores_from_local_tier(crashed, tmp_path):
           f"{PERSISTENT - 1}); max |dloss| {max_loss_delta(ref, resumed):.2e}")
 
 
+def test_a_restart_killed_while_keeping_a_received_piece_leaves_the_tier_usable(crashed, tmp_path):
+    """node1 lost its copy of iteration 6: a restart on both nodes sends node1 every piece,
+    which node1 keeps as its own copies; SIGKILLed after the second piece is renamed into
+    place, before its sidecar. The next restart restores 6 (the losses from 7 on are the
+    uninterrupted ones), and node1 now holds a whole copy of 6, marked complete, each piece
+    matching its sidecar: it serves the restart after that."""
+    ref, job = crashed
+    root = tmp_path / "restart"
+    shutil.copytree(job / "ckpt", root / "ckpt")
+    shutil.copytree(job / "local", root / "local")
+    shutil.rmtree(root / "local" / "node1" / "iter_0000006")
+    argv = _argv(root, local_interval=100, save=False)
+    hosts = ["node0", "node1"]
+    run_steps(2, [{"name": "killed", "op": "train", "hosts": hosts, "argv": argv,
+                   "die_keeping": {"rank": 1, "call": 2}}], root / "killed", allow_failure=True)
+    kept = root / "local" / "node1" / "iter_0000006"
+    assert not (kept / "COMPLETE").exists() and (kept / "rank_00001.safetensors").exists(), \
+        "the restart was not killed while keeping the second piece"
+    assert not (kept / "rank_00001.json").exists()
+    r = ok(run_steps(2, [{"name": "restart", "op": "train", "hosts": hosts, "argv": argv}], root), "restart")
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(7, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+    assert "restored iteration 6 saved on 4 ranks from node0" in r["stdout"], r["stdout"]
+    assert (kept / "COMPLETE").exists()
+    for rank in range(4):
+        record = json.loads((kept / f"rank_{rank:05d}.json").read_text())
+        data = (kept / f"rank_{rank:05d}.safetensors").read_bytes()
+        assert (record["bytes"], record["crc32"], record["world"]) == (len(data), zlib.crc32(data), 4), rank
+        assert data == _piece(root / "local", "node0", rank).read_bytes()
+
+
 def test_corrupt_copy_takes_the_other(crashed, tmp_path):
     """A flipped byte in rank 0's original (node0): the restart (one process per node) takes
     its replica from node1, sent over the job's group, and names the bad file on one line."""

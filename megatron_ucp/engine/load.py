@@ -112,9 +112,10 @@ def _missing_pieces(m: mf.Manifest, path: str, optimizer, scheduler, load_optim,
 
 
 def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_optim, load_scheduler,
-             load_rng):
-    """The manifest checked as a whole, and this rank's RNG state read, before any tensor is."""
-    m = mf.read_manifest(root)
+             load_rng, source=None):
+    """The manifest checked as a whole, and this rank's RNG state read, before any tensor is
+    (`source`'s where it serves the checkpoint: piece_reads.PieceSource)."""
+    m = mf.read_manifest(root) if source is None else source.manifest
     path = os.path.join(root, mf.MANIFEST)
 
     if m.iteration != iteration:
@@ -129,7 +130,10 @@ def _prepare(root, model, optimizer, scheduler, vocab_size, iteration, load_opti
     # A checkpoint saved without RNG (--no-save-rng) reseeds; a missing file of one saved with
     # it stays an error naming --no-load-rng.
     load_rng = load_rng and m.rng_saved is not False
-    rng_state = rng.read(os.path.join(root, "rng"), dist.get_rank()) if load_rng and not changed else None
+    rng_state = None
+    if load_rng and not changed:
+        rank = dist.get_rank()
+        rng_state = rng.read(os.path.join(root, "rng"), rank) if source is None else source.rng(rank)
     return m, tensors, with_optim, changed, rng_state
 
 
@@ -138,7 +142,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                    load_rng: bool = True, strict: bool = True, verify: bool = True, reseed=None,
                    counter: Optional[tensor_io.ReadCounter] = None,
                    load_scheduler: bool = True, read_policy: str = "auto", prove: bool = True,
-                   tier: str = "persistent") -> LoadResult:
+                   tier: str = "persistent", source=None) -> LoadResult:
     """Load a universal checkpoint into model chunks (and optimizer, scheduler) of any layout.
 
     Collective; a failure on any rank raises on every rank, and leaves the model and optimizer
@@ -157,16 +161,20 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     `prove` recomputes the checkpoint's resume proof on this layout before anything returns
     (engine/proof.py) and raises proof.ResumeProofError on every rank when the restored state
     computes something else; `tier` names where the checkpoint came from in that message.
+    `source` serves the manifest, RNG states and tensor reads in place of the folder's files
+    (the local tier's pieces: piece_reads.PieceSource; no verification: they were checked).
     """
     if read_policy not in READ_POLICIES:
         raise ConfigError(f"read_policy {read_policy!r}: expected one of {list(READ_POLICIES)}")
+    if source is not None and verify:
+        raise ConfigError("a load from the local tier's pieces is not verified per block (verify=False)")
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
     counter = counter if counter is not None else tensor_io.ReadCounter()
     m, tensors, with_optim, changed, rng_state = run_everywhere(
         _prepare, root, model, optimizer, scheduler, vocab_size, iteration, load_optim,
-        load_scheduler, load_rng)
+        load_scheduler, load_rng, source)
     # The checkpoint's tensors this rank plans for (the strict check, the hashing): one pass
     # over the manifest's names.
     owned = names_by_owner(m.tensors, dist.get_world_size()).get(dist.get_rank(), [])
@@ -177,13 +185,13 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
         owned = [n for n in owned if n not in unrequested]
     layouts = Layouts(m.tensors)
     reading = read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
-    if not verify:
+    if not verify and source is None:
         run_everywhere(check_headers, root, m, tensors, reading)
     plan = hash_plan(root, m, layouts, tensors, reading, owned) if verify else None
     hashes: dict = {}
     staged: dict = {}
     run_everywhere(read_tensors, root, m, layouts, tensors, reading, counter,
-                   plan.inline if plan else {}, hashes, staged)
+                   plan.inline if plan else {}, hashes, staged, source)
     exchanged = exchange(tensors, reading, staged)
 
     def restore():

@@ -9,39 +9,41 @@
    together they cover every tensor: local_check), then read them, each once, no further than
    that size, checked against its CRC-32; a bad copy makes them choose again without it (the
    next copy, the next iteration).
-3. Each node's leader receives the pieces its node lacks from a node that holds them, then
-   writes them all into a universal checkpoint folder under its dir (the save's own file
-   layout; no block checksums: the folder lives for this load only).
-4. Every rank loads that folder universally: it reads just its slices, resharded. The load
-   does not hash again: every byte was checked against its piece's CRC-32 in step 1, and the
-   folder was written by this restart a moment before.
+3. Each node's leader receives the pieces its node lacks from a node that holds them (each
+   byte once per receiving node) and keeps them in its dir as the node's own copies
+   (local_piece.keep_copy: written beside and renamed, the iteration marked complete on a node
+   that had none: a restart killed here leaves the tier as usable as before, and the next
+   restart reads them locally). No folder is assembled: the pieces the leader checked stay
+   on disk, in the node's page cache, and only those it sends are kept in memory.
+4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
+   manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
+   needs is read from the pieces that hold it through an index of their runs, nothing else
+   (a rank of the saving layout that owned all it holds reads its own piece alone). The
+   load does not hash again: every byte was checked against its piece's CRC-32 in step 2 (or
+   by the sender), and each rank checks that a piece's header is the one its leader checked.
+   The resume proof runs after it; a disproved iteration is set aside, the next one tried.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
 Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
 restore will take (its COMPLETE markers record it): padding rows take part in the softmax, so
 the model must be built with the checkpoint's, as for a persistent checkpoint.
 """
 
-import dataclasses
 import os
-import shutil
 import socket
 import time
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_ucp.engine import local_check, local_plan
+from megatron_ucp.engine import local_check, local_plan, local_receive
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
 from megatron_ucp.engine.load import load_universal
-from megatron_ucp.engine.local_tier import CPU, exchange_bytes
+from megatron_ucp.engine.local_tier import CPU
 from megatron_ucp.engine.proof import ResumeProofError
-from megatron_ucp.engine.planner import part_shapes_of
+from megatron_ucp.engine.piece_reads import PieceSource
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
-from megatron_ucp.format import folder, local_piece, tensor_io
-from megatron_ucp.format.layout import region_runs
-from megatron_ucp.format.manifest import FORMAT_VERSION, architecture, check_architecture, read_manifest
-from megatron_ucp.format.tensor_entry import TensorEntry, file_layout, file_tensor_name
-from megatron_ucp.mcore import rng
+from megatron_ucp.format import folder, local_piece
+from megatron_ucp.format.manifest import architecture, check_architecture
 from megatron_ucp.mcore.flag_validation import keeps_saved_padding
 from megatron_ucp.mcore.model_map import padded_vocab, unwrap
 
@@ -143,18 +145,20 @@ def peek(root: str, newer_than: int, job):
     return choice.iteration, local_plan.padded_vocab_of(found, choice.iteration)
 
 
-def _read_held(tier, choice, copies, digests):
-    """Leaders: ({saving rank: bytes} of the sound copies of the chosen iteration on this node,
-    [(host, iteration, rank, why)] of the bad ones), each piece read once, no further than its
-    checked size, and checked against its CRC-32; other ranks: ({}, [])."""
+def _read_held(tier, choice, copies, digests, keep):
+    """Leaders: ({saving rank: its bytes where `keep(rank)` (it is sent), else its header's
+    digest (it is read in place later)} of the sound copies of the chosen iteration on this
+    node, [(host, iteration, rank, why)] of the bad ones), each piece read once, no further
+    than its checked size, and checked against its CRC-32; other ranks: ({}, [])."""
     held, bad = {}, []
     if not tier.leader:
         return held, bad
     for rank, holding in choice.holders.items():
         if tier.host in holding:
+            read = local_piece.read_piece if keep(rank) else local_piece.check_piece
             try:
-                held[rank] = local_piece.read_piece(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
-                                                    copies[rank].crc32, digests.get(rank))
+                held[rank] = read(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
+                                  copies[rank].crc32, digests.get(rank))
             except IntegrityError as e:
                 bad.append((tier.host, choice.iteration, rank, str(e)))
     return held, bad
@@ -166,10 +170,12 @@ def _gathered(value, group) -> list:
     return [x for rank_value in everyone for x in rank_value]
 
 
-def _choose(tier, found: list, newer_than: int):
+def _choose(tier, found: list, newer_than: int, kept=None):
     """(choice, pieces this node holds of it): choose; check the chosen iteration's copies
     from their headers (slot, size, regions, the coverage of every tensor: local_check.vet),
-    then read them; choose again without what was found bad until every piece read is sound."""
+    then read them; choose again without what was found bad until every piece read is sound.
+    `kept(choice)`: the saving ranks whose pieces are kept in memory (those this rank sends;
+    None: all), the others as their header digest (_read_held)."""
     while True:
         choice = local_plan.choose(found, newer_than)
         if choice.iteration is None:
@@ -180,62 +186,13 @@ def _choose(tier, found: list, newer_than: int):
             found = local_plan.refuse(found, choice.iteration, problem)
             continue
         if not bad:
-            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, group=tier.group)
+            keep = (lambda r: True) if kept is None else kept(choice).__contains__
+            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, keep, group=tier.group)
             bad = _gathered(bad, tier.group)
             if not bad:
                 return choice, held
             bad = [(h, r, w) for h, _, r, w in bad]
         found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
-
-
-def _gather_pieces(tier, choice, held: dict) -> dict:
-    """Leaders: {saving rank: bytes} of every piece of the chosen iteration: `held` (read here)
-    and the others received from the node that holds them; other ranks: {}."""
-    rank = dist.get_rank()
-    moves = local_plan.transfers(choice, tier.hosts)
-    sends = [(receiver, held[saved]) for sender, receiver, saved in moves if sender == rank]
-    receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
-    received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
-    if not tier.leader:
-        return {}
-    return {**held, **{saved: received[i] for i, (_, saved) in enumerate(receiving)}}
-
-
-def assemble(root: str, iteration: int, pieces: dict) -> str:
-    """Write `pieces` ({saving rank: bytes}) as the universal checkpoint of `iteration` under
-    `root`: files at full size, every region written where it belongs, the manifest from rank
-    0's piece, commit. Returns the folder."""
-    decoded = {r: local_piece.decode(data, local_piece.piece_path("<received>", iteration, r))
-               for r, data in pieces.items()}
-    head = dict(decoded[0][0]["head"])
-    where = f"rank 0's local piece of iteration {iteration}"
-    entries = {n: TensorEntry.from_json(n, e, where, FORMAT_VERSION) for n, e in head["tensors"].items()}
-    layouts = {n: file_layout(e) for n, e in entries.items()}
-    part_shapes = part_shapes_of(entries)
-    shutil.rmtree(root, ignore_errors=True)
-    tmp = folder.begin(root, iteration)
-    tensor_io.in_parallel(lambda n: tensor_io.create_tensor_file(os.path.join(tmp, entries[n].file), layouts[n]),
-                          list(entries))
-    by_file = {}
-    for saved, (meta, regions) in sorted(decoded.items()):
-        for name, region, states in regions:
-            by_file.setdefault(name, []).append((region, states))
-        if meta.get("rng") is not None:
-            rng.save(os.path.join(tmp, "rng"), saved, meta["rng"])
-
-    def write_file(name):
-        for region, states in by_file[name]:
-            runs = region_runs(part_shapes[(name, region.part)], region)
-            for state, data in states.items():
-                tensor_io.write_runs(os.path.join(tmp, entries[name].file), layouts[name],
-                                     file_tensor_name(state, region.part), runs, data)
-
-    tensor_io.in_parallel(write_file, list(by_file))
-    # No block checksums and no fsync: the pieces were checked, the folder lives only for this
-    # load (a restart that dies in it assembles it again), and the load does not hash it.
-    head["tensors"] = {n: dataclasses.replace(e, file_size=layouts[n].file_size).to_json()
-                       for n, e in entries.items()}
-    return folder.commit(root, tmp, iteration, head)
 
 
 def restore(tier, args, state, newer_than: int, reseed=None):
@@ -247,66 +204,82 @@ def restore(tier, args, state, newer_than: int, reseed=None):
                           group=tier.group)
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, mine, group=tier.group)
-    choice, held = _choose(tier, [f for f in found if f is not None], newer_than)
+    found = [f for f in found if f is not None]
+    choice, held = _choose(tier, found, newer_than, lambda c: local_receive.sent_by(tier, c))
+    target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
     if choice.iteration is None:
         if rank == 0 and choice.notes:
-            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
             print(" local checkpoint tier: " + "; ".join(choice.notes)
                   + f"; falling back to the persistent checkpoint ({target})", flush=True)
         return None
     marks = [time.perf_counter()]
-    pieces = run_everywhere(_gather_pieces, tier, choice, held, group=tier.group)
+    copies = local_plan.held_copies(found, choice.iteration, tier.host)
+    here = {r: (copies[r].nbytes, data if isinstance(data, str) else local_receive.digest(data))
+            for r, data in held.items()}
+    held = {r: data for r, data in held.items() if not isinstance(data, str)}
+    checked, received, refused = run_everywhere(local_receive.receive, tier, choice, held, here, found,
+                                                group=tier.group)
     held = None
     marks.append(time.perf_counter())
-    root = os.path.join(tier.node_dir, local_piece.RESTORE)
-    run_everywhere(lambda: assemble(root, choice.iteration, pieces) if tier.leader else None,
-                   group=tier.group)
-    pieces = None  # the bytes are in the folder now
+    source, misfit = None, None
+    if refused is None:
+        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, group=tier.group)
+    if source is not None:
+        misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
+        misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
     marks.append(time.perf_counter())
-    misfit = _misfit(root, choice.iteration, state.model, args.vocab_size)
-    misfit = misfit or _padding_misfit(root, choice.iteration, state.model, args.vocab_size)
-    if not all_true(misfit is None, group=tier.group, device=CPU):
+    if not all_true(refused is None and misfit is None, group=tier.group, device=CPU):
         if rank == 0:
-            target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
-            print(f" local checkpoint tier: iteration {choice.iteration} was saved by another model "
-                  f"({misfit or 'on another rank'}); falling back to the persistent checkpoint ({target})",
-                  flush=True)
-        dist.barrier(group=tier.group)
-        if tier.leader:
-            shutil.rmtree(root, ignore_errors=True)
+            why = (f"was saved by another model ({misfit or 'on another rank'})" if refused is None
+                   else f"not restored ({refused})")
+            print(f" local checkpoint tier: iteration {choice.iteration} {why}; falling back to the persistent "
+                  f"checkpoint ({target})", flush=True)
+        if source is not None:
+            source.close()
         return None
     try:
-        result = load_universal(root, state.model, state.optimizer, state.scheduler,
+        result = load_universal(tier.node_dir, state.model, state.optimizer, state.scheduler,
                                 vocab_size=args.vocab_size, iteration=choice.iteration,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                                 load_scheduler=not args.no_load_scheduler, strict=not args.no_strict_load,
                                 verify=False, reseed=reseed, read_policy=args.ckpt_read_policy,
-                                prove=not getattr(args, "no_resume_proof", False), tier="local")
+                                prove=not getattr(args, "no_resume_proof", False), tier="local", source=source)
     except ResumeProofError as e:
-        return _disproved(tier, args, state, newer_than, reseed, choice.iteration, root, e)
-    dist.barrier(group=tier.group)
-    if tier.leader:
-        shutil.rmtree(root, ignore_errors=True)
+        source.close()  # before the next iteration's restore opens its own
+        return _disproved(tier, args, state, newer_than, reseed, choice.iteration, e)
+    finally:
+        source.close()
     tier.restored = choice.iteration
+    tier.restore_stats = {"received": received[tier.host], "read": dict(source.touched)}  # node; rank
+    loads = [None] * dist.get_world_size()  # what each rank loaded: from the pieces, from replicas
+    dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged),
+                           group=tier.group)
     if rank == 0:
         nodes = sorted({h for hs in choice.holders.values() for h in hs})
         notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
-        spans = (f"inventory {marks[0] - start:.2f}, pieces {marks[1] - marks[0]:.2f}, assembly "
+        spans = (f"inventory and checks {marks[0] - start:.2f}, transfers {marks[1] - marks[0]:.2f}, index "
                  f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}){notes}", flush=True)
+              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads)}){notes}",
+              flush=True)
     return result
 
 
-def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, root: str, error):
+def _open(node_dir: str, iteration: int, checked: dict):
+    """(the pieces' reader, None), or (None, why it cannot read them: a piece that changed
+    after the leader checked it, a head that is no manifest)."""
+    try:
+        return PieceSource(node_dir, iteration, checked), None
+    except (FormatError, IncompleteCheckpointError, IntegrityError, LayoutError) as e:
+        return None, str(e)
+
+
+def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, error):
     """A local iteration whose restored state failed its resume proof: set aside on every node
     (no restart takes it again), then the next local iteration, else the persistent tier. The
     model already holds the refused state: with no persistent checkpoint to overwrite it, the
     job stops and its restart trains from scratch."""
-    dist.barrier(group=tier.group)
-    if tier.leader:
-        shutil.rmtree(root, ignore_errors=True)
     set_aside(tier, iteration)
     if dist.get_rank() == 0:
         print(f" local checkpoint tier: iteration {iteration} set aside: {error}", flush=True)
@@ -318,23 +291,22 @@ def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, root:
     return result
 
 
-def _misfit(root: str, iteration: int, model, vocab_size: int):
-    """Why the assembled checkpoint does not fit this model (a tier left by another run in the
+def _misfit(m, model, vocab_size: int, where: str):
+    """Why the pieces' manifest `m` does not fit this model (a tier left by another run in the
     same dir), or None; checked before any tensor is loaded, so that the fallback starts clean."""
     try:
-        m = read_manifest(folder.iteration_dir(root, iteration))
-        check_architecture(m.architecture, architecture(unwrap(model[0]), vocab_size), root)
+        check_architecture(m.architecture, architecture(unwrap(model[0]), vocab_size), where)
     except LayoutError as e:
         return str(e).split(": ", 1)[-1]
     return None
 
 
-def _padding_misfit(root: str, iteration: int, model, vocab_size: int):
+def _padding_misfit(m, model, vocab_size: int):
     """Why the assembled checkpoint's padded vocabulary is not the model's where a restart
     restoring it keeps it (padding rows take part in the softmax: other padding, another loss),
     or None. The trainers build the padding of the iteration `peek` finds; this catches a
     restore that ends on another one, or markers that do not record it."""
-    saved = read_manifest(folder.iteration_dir(root, iteration)).layout.get("padded_vocab_size")
+    saved = m.layout.get("padded_vocab_size")
     built = _other_padding(saved, model, vocab_size)
     if built is None:
         return None

@@ -5,8 +5,9 @@ write them to theirs. Training waits only for the in-memory copy. Restores are
 local_restore.py's.
 
 Why a piece and not the atomic files: a node-local dir sees only its own ranks' writes, so
-each node keeps whole pieces that any node can read back or send, and a restart assembles
-them into a universal folder that loads on any layout (docs/elastic.md, "The local tier").
+each node keeps whole pieces that any node can read back or send, and a restart loads them
+as a universal checkpoint on any layout, in place (engine/piece_reads.py; docs/elastic.md,
+"The local tier").
 """
 
 import hashlib
@@ -16,6 +17,7 @@ import shutil
 import socket
 import sys
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -82,17 +84,19 @@ def _gib(n: int) -> str:
 def exchange_bytes(sends, receives, group) -> dict:
     """Point-to-point transfers of byte strings: `sends` [(peer, bytes)], `receives` [peer]
     (each as often as that peer sends here, in the same order on both sides); returns
-    {index in `receives`: bytes}. Sizes travel first, then the bytes."""
+    {index in `receives`: the bytes (a memoryview of the receive buffer: no copy)}. Sizes travel
+    first, then the bytes."""
     sizes = [torch.empty(1, dtype=torch.int64) for _ in receives]
     ops = [dist.P2POp(dist.isend, torch.tensor([len(b)], dtype=torch.int64), p, group) for p, b in sends]
     ops += [dist.P2POp(dist.irecv, s, p, group) for p, s in zip(receives, sizes)]
     _run(ops)
     bufs = [torch.empty(int(s.item()), dtype=torch.uint8) for s in sizes]
-    ops = [dist.P2POp(dist.isend, torch.frombuffer(bytearray(b), dtype=torch.uint8), p, group)
-           for p, b in sends if b]
+    with warnings.catch_warnings():  # the send buffers are only read: bytes need no writable copy
+        warnings.simplefilter("ignore", UserWarning)
+        ops = [dist.P2POp(dist.isend, torch.frombuffer(b, dtype=torch.uint8), p, group) for p, b in sends if len(b)]
     ops += [dist.P2POp(dist.irecv, buf, p, group) for p, buf in zip(receives, bufs) if buf.numel()]
     _run(ops)
-    return {i: buf.numpy().tobytes() for i, buf in enumerate(bufs)}
+    return {i: memoryview(buf.numpy()) for i, buf in enumerate(bufs)}
 
 
 def _run(ops) -> None:

@@ -42,11 +42,13 @@ def file_runs(entry, t, state, start, stop):
 
 
 def read_range(path, entry, layout, t, state, start, stop, counter, out=None, hash_spans=(),
-                hashes=None) -> np.ndarray:
+                hashes=None, read=tensor_io.read_runs) -> np.ndarray:
     """Local flat elements [start, stop) of `state`, zero where the checkpoint holds nothing.
 
     Reads into `out` (stop - start fp32 elements) when given, else into a new array (on huge
     pages: it is filled at once). Hashes the `hash_spans` it reads (tensor_io.read_runs).
+    `read`: tensor_io.read_runs's interface (`path` is its first argument): the local tier's
+    pieces serve it instead of files (piece_reads.PieceSource).
     """
     reads, complete = file_runs(entry, t, state, start, stop)
     if out is None:
@@ -54,7 +56,7 @@ def read_range(path, entry, layout, t, state, start, stop, counter, out=None, ha
     if not complete:
         out[:] = 0  # rows the checkpoint does not hold (new vocabulary padding) start at zero
     for name, runs in reads:
-        tensor_io.read_runs(path, layout, name, runs, out, counter, hash_spans, hashes)
+        read(path, layout, name, runs, out, counter, hash_spans, hashes)
     return out
 
 
@@ -259,21 +261,25 @@ def take_shares(plan: ReadPlan, pairs, shares, group, ranks, why, me: int, stage
 
 
 def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans: dict,
-                  hashes: dict, staged: dict) -> None:
+                  hashes: dict, staged: dict, source=None) -> None:
     """This rank's reads from storage, in place where it can; several files in flight where
     this node has cores to spare (tensor_io.read_threads), each thread counting its own bytes.
     The `hash_spans` of each tensor are hashed as they are read, into `hashes`; the reads an
-    exchange sends from a staging copy leave it in `staged`."""
+    exchange sends from a staging copy leave it in `staged`. `source`: a reader that serves
+    the atomic tensors in place of `root`'s files (piece_reads.PieceSource)."""
+    read = tensor_io.read_runs if source is None else source.read_runs
+
     def load_one(i):
         t, mine, found = tensors[i], tensor_io.ReadCounter(), []
         entry, layout = m.tensors[t.name], layouts[t.name]
-        path = safe_files.safe_join(root, entry.file)  # refuses names that escape the checkpoint
+        # safe_join refuses names that escape the checkpoint
+        path = safe_files.safe_join(root, entry.file) if source is None else t.name
         spans = hash_spans.get(t.name, ())
         with torch.no_grad():
             for state, start, stop, keep in plan.reads[i]:  # the reads read_spans planned the hashing of
                 in_place = host_view(local_region(t, state, start, stop))
                 data = read_range(path, entry, layout, t, state, start, stop, mine, in_place,
-                                   spans, found)
+                                   spans, found, read)
                 deliver(t, state, start, stop, torch.from_numpy(data))
                 if keep:
                     staged[(i, state, start, stop)] = data

@@ -11,8 +11,9 @@ pieces, and the tier removes only folders it marked as its own job's.
 A piece is a valid safetensors file (fp32 tensors "<item>.<state>", no pickle) whose metadata
 holds its regions (atomic tensor, part, box, flat range), the saving rank's RNG state and, on
 rank 0's, the manifest head: what a universal save would have written, so that pieces of any
-layout assemble into a universal checkpoint folder that reshards on load. A node keeps its own
-ranks' pieces (originals) and other nodes' replicas under the same names.
+layout load as a universal checkpoint that reshards (engine/piece_reads.py). A node keeps its
+own ranks' pieces (originals) and other nodes' replicas under the same names, and the pieces a
+restart received (keep_copy).
 """
 
 import hashlib
@@ -34,7 +35,6 @@ from megatron_ucp.format.layout import Region
 from megatron_ucp.format.safe_files import open_regular, read_bounded, read_json
 
 COMPLETE = "COMPLETE"
-RESTORE = "restore"  # a node's assembled universal checkpoint, while a restart loads it
 MAX_HEADER_BYTES = 256 * 2**20
 MAX_SIDECAR_BYTES = 4096  # a sidecar or COMPLETE marker: a few integers as JSON
 MAX_WORLD = 1 << 17  # a COMPLETE marker's world beyond this is not believed
@@ -115,6 +115,26 @@ def write_piece(node_dir: str, iteration: int, rank: int, data: bytes, slot: dic
                       dict(slot or {}, rank=rank, iteration=iteration, bytes=len(data), crc32=zlib.crc32(data)))
 
 
+def keep_copy(node_dir: str, iteration: int, rank: int, data: bytes, crc: int, slot: dict) -> None:
+    """A piece received by a restart, kept as this node's copy (it serves the next restart
+    too): the piece, then its sidecar with the CRC-32 the sender's copy was checked against,
+    each written beside and renamed into place, so that a restart killed here leaves either no
+    copy or a whole one. Not fsynced: a copy torn by a power loss fails its CRC-32 and is not
+    used."""
+    path = piece_path(node_dir, iteration, rank)
+    for target, payload in ((path, data), (sidecar_path(node_dir, iteration, rank), json.dumps(
+            dict(slot, rank=rank, iteration=iteration, bytes=len(data), crc32=crc)).encode())):
+        tmp = f"{target}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+
+
 def _count(record: dict, key: str, path: str, low: int = 0, high: Optional[int] = None) -> int:
     value = record.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
@@ -185,6 +205,40 @@ def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int
         if header_digest(data[8:8 + n]) != digest:
             raise IntegrityError(f"{path}: its header changed after it was checked")
     return data
+
+
+CHECK_CHUNK = 8 * 2**20  # check_piece's buffer
+
+
+def check_piece(node_dir: str, iteration: int, rank: int, nbytes: int, crc32: int, digest: str = None) -> str:
+    """read_piece's checks (size, CRC-32, the checked header; IntegrityError naming the file),
+    streamed through one buffer instead of kept: for a piece the restore then reads in place.
+    Returns its header's digest."""
+    path = piece_path(node_dir, iteration, rank)
+    try:
+        fd = open_regular(path, "local-tier piece")
+    except (FormatError, IncompleteCheckpointError) as e:
+        raise IntegrityError(f"{path}: unreadable ({e})") from None
+    try:
+        view = memoryview(bytearray(max(1, min(CHECK_CHUNK, nbytes))))
+        crc = pos = 0
+        while pos < nbytes:
+            n = os.preadv(fd, [view[:min(len(view), nbytes - pos)]], pos)
+            if n == 0:
+                break
+            crc, pos = zlib.crc32(view[:n], crc), pos + n
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        raw = os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES), 8) if len(head) == 8 else b""
+    finally:
+        os.close(fd)
+    if pos != nbytes or size != nbytes:
+        raise IntegrityError(f"{path}: {size} bytes, its sidecar says {nbytes}")
+    if crc != crc32:
+        raise IntegrityError(f"{path}: CRC-32 {crc:08x} differs from the saved {crc32:08x}")
+    if digest is not None and header_digest(raw) != digest:
+        raise IntegrityError(f"{path}: its header changed after it was checked")
+    return header_digest(raw)
 
 
 def mark_complete(node_dir: str, iteration: int, world: int, job=None, padded_vocab_size: Optional[int] = None) -> None:

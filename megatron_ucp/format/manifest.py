@@ -335,6 +335,13 @@ def read_manifest(directory: str) -> Manifest:
     it; a version-1 manifest's tensors under version 2's names."""
     path = os.path.join(directory, MANIFEST)
     m = read_json(path, "universal checkpoint manifest", MAX_MANIFEST_BYTES, root=directory)
+    return parse_manifest(m, path, directory)
+
+
+def parse_manifest(m, path: str, directory: str) -> Manifest:
+    """A manifest's JSON object (`path` names it in messages; `directory`: the folder of its
+    iteration), checked as read_manifest checks it (the local tier's rank 0 piece carries one)."""
+    _need(isinstance(m, dict), path, "expected a JSON object")
     _need(m.get("format") == FORMAT_NAME, path, f"'format' is {m.get('format')!r}, expected {FORMAT_NAME!r}")
     version = m.get("version")
     _need(isinstance(version, int), path, f"'version' is {version!r}, expected an integer")

@@ -1,0 +1,197 @@
+"""The local tier's pieces read as a universal checkpoint, in place: no folder is assembled.
+
+A restore from the local tier loads universally (engine/load.py), but its reads come from the
+pieces on this node's dir instead of tensor files. For every (atomic tensor, file tensor name)
+an index of element runs -> (piece, byte offset) is built from the pieces' headers (each
+region's runs in its part: layout.region_runs); a read of runs of the atomic tensor is served
+by positional reads of the pieces (the page cache of the node serves its ranks one copy), each
+byte of a piece a rank needs read once, nothing else. A rank of the saving layout reads its own
+piece and, where it owned every byte it holds, nothing else (`touched` counts per piece).
+
+The pieces were checked by the node's leader before (header, size, CRC-32: local_restore);
+each rank checks the header it indexes is the one the leader checked (digest and size).
+"""
+
+import dataclasses
+import os
+import threading
+
+import numpy as np
+
+from megatron_ucp.engine.local_check import head_entries, piece_layout
+from megatron_ucp.engine.planner import part_shapes_of
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
+from megatron_ucp.format import local_piece, manifest as mf
+from megatron_ucp.format.folder import iteration_dir
+from megatron_ucp.format.layout import region_runs
+from megatron_ucp.format.safe_files import IOV_MAX, open_regular, vector_io
+from megatron_ucp.format.tensor_entry import file_layout, file_tensor_name
+from megatron_ucp.mcore import rng
+
+F32 = 4
+
+
+class PieceSource:
+    """A universal checkpoint's reader over the pieces of `iteration` in `node_dir`: `checked`
+    {saving rank: (bytes, header digest)} as the leader checked them. `manifest` is rank 0's
+    piece's head, `rng(rank)` a saving rank's RNG state, `read_runs` tensor_io.read_runs's
+    interface with the atomic tensor's name in place of the file's path."""
+
+    def __init__(self, node_dir: str, iteration: int, checked: dict):
+        self.where = iteration_dir(node_dir, iteration)
+        self.paths, self.metas, self.touched = {}, {}, {}
+        listed = {}
+        for rank, (nbytes, digest) in sorted(checked.items()):
+            path = local_piece.piece_path(node_dir, iteration, rank)
+            self.metas[rank], listed[rank] = piece_regions(path, nbytes, digest)
+            self.paths[rank] = path
+        if 0 not in self.metas:
+            raise IncompleteCheckpointError(f"{self.where}: rank 0's piece (the manifest head) is not here")
+        self.manifest = _manifest(self.metas[0].get("head"), self.paths[0], self.where)
+        self.index = _index(listed, part_shapes_of(self.manifest.tensors), self.paths)
+        self._fds, self._lock = {}, threading.Lock()
+
+    def rng(self, rank: int) -> dict:
+        """Saving rank `rank`'s RNG state, checked (rng.read's errors, naming its piece)."""
+        path = self.paths.get(rank, f"{self.where} (no piece of rank {rank})")
+        state = self.metas.get(rank, {}).get("rng")
+        if state is None:
+            raise IncompleteCheckpointError(
+                f"{path}: RNG state of rank {rank} is missing; load with load_rng=False (--no-load-rng) "
+                "to reseed instead")
+        return rng.checked(state, path)
+
+    def read_runs(self, tensor: str, layout, name: str, runs, out: np.ndarray, counter=None,
+                  hash_spans=(), hashes=None) -> int:
+        """Fill out.reshape(-1)[dst:dst+len] from elements src.. of `name` of atomic `tensor`:
+        runs = [(element, out element, length)], from the pieces that hold them. No hashing
+        (`hash_spans` must be empty: the pieces' CRC-32 was checked)."""
+        where = f"{self.where}, tensor {tensor!r} ({name})"
+        if hash_spans:
+            raise LayoutError(f"{where}: the local tier's pieces are not hashed per block")
+        if out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+            raise LayoutError(f"{where}: output array must be C-contiguous writeable float32")
+        r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+        f, b, n = r[:, 0], r[:, 1], r[:, 2]
+        if ((f < 0) | (b < 0) | (n < 0) | (f + n > layout.numel(name)) | (b + n > out.size)).any():
+            raise LayoutError(f"{where}: a run lies outside the tensor or the array")
+        index = self.index.get((tensor, name))
+        if index is None:
+            raise IncompleteCheckpointError(f"{where}: no piece holds it")
+        raw = memoryview(out.reshape(-1).view(np.uint8))
+        total = calls = 0
+        mine: dict = {}
+        for piece, offset, parts in _copies(index, f[n > 0], b[n > 0], n[n > 0], where):
+            views = [raw[bs * F32:(bs + ln) * F32] for bs, ln in parts]
+            want = sum(len(v) for v in views)
+            done, c = vector_io(False, self._fd(piece), views, offset)
+            if done != want:
+                raise IntegrityError(f"{self.paths[piece]}: ends inside a region (needed bytes up to "
+                                     f"{offset + want}): the piece changed after it was checked")
+            total, calls = total + done, calls + c
+            mine[piece] = mine.get(piece, 0) + done
+        with self._lock:
+            for piece, nbytes in mine.items():
+                self.touched[piece] = self.touched.get(piece, 0) + nbytes
+            if counter is not None:
+                counter.bytes += total
+                counter.calls += calls
+        return total
+
+    def _fd(self, piece: int) -> int:
+        with self._lock:
+            if piece not in self._fds:
+                self._fds[piece] = open_regular(self.paths[piece], "local-tier piece")
+            return self._fds[piece]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+
+
+def piece_regions(path: str, nbytes: int, digest=None):
+    """(metadata, [(atomic tensor, Region, {state: byte offset of its data})]) of a piece, from
+    its header, which must be the one checked (`digest`, None: any) of a file of `nbytes`."""
+    meta, table, header_len, size, found = local_piece.read_header(path)
+    if (digest is not None and found != digest) or size != nbytes:
+        raise IntegrityError(f"{path}: changed after it was checked ({size} bytes, {nbytes} checked)")
+    regions, _ = piece_layout(meta, table, header_len, path)
+    base = 8 + header_len
+    return meta, [(name, region, {s: base + table[f"{i}.{s}"]["data_offsets"][0] for s in states})
+                  for i, (name, region, states) in enumerate(regions)]
+
+
+def _manifest(head, path: str, where: str) -> mf.Manifest:
+    """Rank 0's manifest head as the manifest of the iteration (each tensor's file size as a
+    universal save's file would have it), checked as a manifest read from a folder is."""
+    entries = head_entries(head, path)
+    head = dict(head, tensors={n: dataclasses.replace(e, file_size=file_layout(e).file_size).to_json()
+                               for n, e in entries.items()})
+    return mf.parse_manifest(head, f"{path} (manifest head)", where)
+
+
+def _index(listed: dict, part_shapes: dict, paths: dict) -> dict:
+    """Pure: (atomic tensor, file tensor name) -> (starts, lengths, pieces, byte offsets) of
+    every run the pieces hold, sorted by element."""
+    runs: dict = {}
+    for rank, regions in listed.items():
+        for name, region, offsets in regions:
+            shape = part_shapes.get((name, region.part))
+            if shape is None:
+                raise FormatError(f"{paths[rank]}: region of {name!r} part {region.part!r}, "
+                                  "which rank 0's manifest head does not list")
+            r = region_runs(shape, region)
+            for state, offset in offsets.items():
+                runs.setdefault((name, file_tensor_name(state, region.part)), []).append(
+                    np.stack([r[:, 1], r[:, 2], np.full(len(r), rank), offset + r[:, 0] * F32], axis=1))
+    out = {}
+    for key, parts in runs.items():
+        a = np.concatenate(parts)
+        a = a[np.argsort(a[:, 0], kind="stable")]
+        out[key] = (a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
+    return out
+
+
+def _copies(index, f, b, n, where: str):
+    """Pure: the positional reads that serve runs (element f, out element b, length n) from
+    `index`: [(piece, byte offset, [(out element, length)])], runs adjacent in a piece and in
+    the array merged, at most IOV_MAX parts each. IncompleteCheckpointError for elements no
+    piece holds."""
+    starts, lengths, pieces, offsets = index
+    pieces_out, offs_out, bs_out, ns_out = [], [], [], []
+    i = np.searchsorted(starts, f, side="right") - 1
+    inside = (i >= 0) & (f + n <= starts[np.maximum(i, 0)] + lengths[np.maximum(i, 0)])
+    for k in np.flatnonzero(~inside).tolist():  # runs that span pieces' runs: split them
+        fk, bk, nk = int(f[k]), int(b[k]), int(n[k])
+        j = int(i[k])
+        while nk > 0:
+            if j < 0 or j >= len(starts) or not starts[j] <= fk < starts[j] + lengths[j]:
+                raise IncompleteCheckpointError(f"{where}: element {fk} is in no piece")
+            take = min(nk, int(starts[j] + lengths[j] - fk))
+            pieces_out.append(int(pieces[j]))
+            offs_out.append(int(offsets[j] + (fk - starts[j]) * F32))
+            bs_out.append(bk)
+            ns_out.append(take)
+            fk, bk, nk, j = fk + take, bk + take, nk - take, j + 1
+    k = np.flatnonzero(inside)
+    p = np.concatenate([pieces[i[k]], np.asarray(pieces_out, dtype=np.int64)])
+    o = np.concatenate([offsets[i[k]] + (f[k] - starts[i[k]]) * F32, np.asarray(offs_out, dtype=np.int64)])
+    bb = np.concatenate([b[k], np.asarray(bs_out, dtype=np.int64)])
+    nn = np.concatenate([n[k], np.asarray(ns_out, dtype=np.int64)])
+    order = np.lexsort((o, p))
+    p, o, bb, nn = p[order], o[order], bb[order], nn[order]
+    out = []
+    for piece, offset, start, length in zip(p.tolist(), o.tolist(), bb.tolist(), nn.tolist()):
+        g = out[-1] if out else None
+        if g is not None and g[0] == piece and offset == g[1] + g[3] and len(g[2]) < IOV_MAX:
+            last = g[2][-1]
+            if last[0] + last[1] == start:
+                g[2][-1] = (last[0], last[1] + length)
+            else:
+                g[2].append((start, length))
+            g[3] += length * F32
+        else:
+            out.append([piece, offset, [(start, length)], length * F32])
+    return [(g[0], g[1], g[2]) for g in out]

@@ -1,0 +1,94 @@
+"""The local tier's pieces read in place (engine/piece_reads.py, issue 48): an index of the
+pieces' runs serves a universal load's reads of any slice, from the pieces that hold it and
+nothing else; runs that span pieces are split, runs adjacent in a piece merged into one read."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from megatron_ucp.engine import piece_reads
+from megatron_ucp.errors import IncompleteCheckpointError
+from megatron_ucp.format import local_piece
+from megatron_ucp.format.layout import Region
+from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
+
+SHAPE = (6, 4)
+# rank 0: columns 0-1 of every row; rank 1: columns 2-3 of rows 0-2; rank 2: rows 3-5, columns 2-3
+SHARES = {0: Region("", (0, 0), (6, 2), 0, 12), 1: Region("", (0, 2), (3, 2), 0, 6),
+          2: Region("", (3, 2), (3, 2), 0, 6)}
+VALUES = np.arange(24, dtype=np.float32).reshape(SHAPE) + 0.5
+
+
+def _source(tmp_path):
+    """A PieceSource over three pieces of "w" (param and exp_avg = -param), its headers indexed
+    as the restore indexes them (the manifest head is not needed here)."""
+    src = piece_reads.PieceSource.__new__(piece_reads.PieceSource)
+    src.where, src.paths, src.metas, src.touched = str(tmp_path), {}, {}, {}
+    listed = {}
+    for rank, r in SHARES.items():
+        box = VALUES[r.offset[0]:r.offset[0] + r.shape[0], r.offset[1]:r.offset[1] + r.shape[1]].reshape(-1)
+        data = local_piece.encode([("w", r)], [{"param": box, "exp_avg": -box}], {"rank": rank})
+        path = tmp_path / f"rank_{rank}.safetensors"
+        path.write_bytes(data)
+        src.paths[rank] = str(path)
+        src.metas[rank], listed[rank] = piece_reads.piece_regions(str(path), len(data))
+    src.index = piece_reads._index(listed, {("w", ""): SHAPE}, src.paths)
+    src._fds, src._lock = {}, threading.Lock()
+    return src
+
+
+def _layout():
+    return file_layout(TensorEntry.new("w", SHAPE, False, 0, ("param", "exp_avg")))
+
+
+@pytest.mark.parametrize("rows,cols", [((0, 6), (0, 4)), ((2, 5), (1, 3)), ((3, 6), (2, 4)), ((0, 1), (0, 2))])
+def test_any_box_reads_what_the_pieces_hold(tmp_path, rows, cols):
+    src = _source(tmp_path)
+    layout = _layout()
+    want = VALUES[rows[0]:rows[1], cols[0]:cols[1]]
+    runs = [(r * SHAPE[1] + cols[0], i * want.shape[1], want.shape[1]) for i, r in enumerate(range(*rows))]
+    for name, sign in (("param", 1), ("exp_avg", -1)):
+        out = np.zeros(want.size, np.float32)
+        src.read_runs("w", layout, name, runs, out)
+        assert np.array_equal(out.reshape(want.shape), sign * want), name
+    src.close()
+
+
+def test_a_pieces_own_box_reads_that_piece_alone_in_one_call(tmp_path):
+    """Rank 2's box of the saving layout: piece 2's bytes, all of them, in one positional read."""
+    src = _source(tmp_path)
+    runs = [(r * SHAPE[1] + 2, i * 2, 2) for i, r in enumerate(range(3, 6))]
+    out = np.zeros(6, np.float32)
+    counter = type("C", (), {"bytes": 0, "calls": 0})()
+    src.read_runs("w", _layout(), "param", runs, out, counter)
+    assert src.touched == {2: 24} and (counter.bytes, counter.calls) == (24, 1)
+    assert np.array_equal(out, VALUES[3:, 2:].reshape(-1))
+    src.close()
+
+
+def test_a_run_spanning_pieces_is_split():
+    """Row 1 whole (elements 4..8): piece 0's two, then piece 1's two."""
+    index = (np.array([4, 6]), np.array([2, 2]), np.array([0, 1]), np.array([100, 200]))
+    reads = piece_reads._copies(index, np.array([4]), np.array([0]), np.array([4]), "w")
+    assert reads == [(0, 100, [(0, 2)]), (1, 200, [(2, 2)])]
+
+
+def test_elements_no_piece_holds_are_refused(tmp_path):
+    index = (np.array([0]), np.array([4]), np.array([0]), np.array([64]))
+    with pytest.raises(IncompleteCheckpointError, match="element 4 is in no piece"):
+        piece_reads._copies(index, np.array([2]), np.array([0]), np.array([4]), "w")
+
+
+def test_a_piece_that_changed_after_its_check_is_refused(tmp_path):
+    from megatron_ucp.errors import IntegrityError
+
+    data = local_piece.encode([("w", SHARES[1])], [{"param": np.zeros(6, np.float32)}], {"rank": 1})
+    path = tmp_path / "p.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(IntegrityError, match="changed after it was checked"):
+        piece_reads.piece_regions(str(path), len(data), digest="0" * 64)
+    os.truncate(path, len(data) - 4)
+    with pytest.raises(IntegrityError, match="changed after it was checked"):
+        piece_reads.piece_regions(str(path), len(data))
