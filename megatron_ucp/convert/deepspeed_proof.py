@@ -318,19 +318,11 @@ def param_digests(written: Callable[[str], Dict[str, "object"]], atomic_names) -
         for part, array in written(name).items():
             data = torch.from_numpy(array)
             digest, scale = proof.box_digest(name, part, tuple(data.shape), (0,) * data.dim(), data)
-            out[f"{name}{'|' + part if part else ''}|param"] = [_finite(digest), _finite(scale)]
+            out[f"{name}{'|' + part if part else ''}|param"] = [proof.finite(digest), proof.finite(scale)]
     return out
-
-
-def _finite(v: float):
-    return float(v) if math.isfinite(v) else None
 
 
 def record(s: Source, names: Names, read: Callable[[str], dict], digests: dict) -> dict:
     """The proof record of the import of a checkpoint described by `s` and `names`."""
     probe = probe_for(s)
-    return {"version": proof.PROOF_VERSION,
-            "probe": {"seed": proof.PROBE_SEED, "tokens": probe.tokens, "vocab_size": probe.vocab_size},
-            "dtype": "float32", "device": DEVICE, "padded_vocab_size": s.padded_vocab,
-            "losses": [_finite(v) for v in losses(s, names, read, probe)], "state_dtypes": {"param": "float32"},
-            "digests": dict(sorted(digests.items()))}
+    return proof.source_record(probe, DEVICE, s.padded_vocab, losses(s, names, read, probe), digests)

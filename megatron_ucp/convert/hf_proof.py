@@ -12,7 +12,6 @@ they check each load's placement of them exactly, also on layouts that pad the v
 otherwise, where the losses do not compare.
 """
 
-import math
 from typing import List, Optional
 
 import numpy as np
@@ -93,21 +92,12 @@ def param_digests(model: hf_map.Model, read) -> dict:
     for p in hf_map.pairs(model):
         data = torch.from_numpy(np.ascontiguousarray(p.join(*[read(h) for h in p.hf]), np.float32))
         digest, scale = proof.box_digest(p.megatron, "", tuple(p.shape), (0,) * data.dim(), data)
-        out[f"{p.megatron}|param"] = [_finite(digest), _finite(scale)]
+        out[f"{p.megatron}|param"] = [proof.finite(digest), proof.finite(scale)]
     return out
-
-
-def _finite(v: float):
-    return float(v) if math.isfinite(v) else None
 
 
 def record(hf_dir: str, model: hf_map.Model, read) -> dict:
     """The proof record of the checkpoint an import of `hf_dir` (`model`, its tensors by `read`) writes."""
     digests = param_digests(model, read)
     probe = probe_for(model)
-    losses = hf_losses(hf_dir, probe)
-    return {"version": proof.PROOF_VERSION,
-            "probe": {"seed": proof.PROBE_SEED, "tokens": probe.tokens, "vocab_size": probe.vocab_size},
-            "dtype": "float32", "device": DEVICE, "padded_vocab_size": model.vocab_size,
-            "losses": [_finite(v) for v in losses], "state_dtypes": {"param": "float32"},
-            "digests": dict(sorted(digests.items()))}
+    return proof.source_record(probe, DEVICE, model.vocab_size, hf_losses(hf_dir, probe), digests)

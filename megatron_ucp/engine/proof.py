@@ -354,7 +354,7 @@ def _probed(model, probe: Probe) -> dict:
     losses = probe_losses(model, probe) if _runs_here(model) else None
     return {"dtype": _compute_dtype(model), "device": _device_type(model),
             "padded_vocab_size": int(unwrap(model[0]).vocab_size),
-            "losses": None if losses is None else [_finite(v) for v in losses]}
+            "losses": None if losses is None else [finite(v) for v in losses]}
 
 
 def with_digests(probed: dict, parts) -> dict:
@@ -362,7 +362,7 @@ def with_digests(probed: dict, parts) -> dict:
     (digests, dtypes) (state_digests; merged_digests)."""
     digests, dtypes = merged_digests(parts)
     return {**probed, "state_dtypes": dtypes,
-            "digests": {k: [_finite(d), _finite(a)] for k, (d, a) in sorted(digests.items())}}
+            "digests": {k: [finite(d), finite(a)] for k, (d, a) in sorted(digests.items())}}
 
 
 def _runs_here(model) -> bool:
@@ -385,8 +385,19 @@ def _device_type(model) -> str:
     return f"{group_device().type}/{'te' if te else 'local'}"
 
 
-def _finite(v: float):
+def finite(v: float):
+    """A value as the record keeps it: JSON has no NaN or infinity (None stands for them)."""
     return float(v) if math.isfinite(v) else None
+
+
+def source_record(probe: Probe, device: str, padded_vocab_size: int, losses, digests: dict) -> dict:
+    """The proof of a source computed outside megatron (an import's reference forward and the
+    fp32 `param` digests of the weights it writes), in the record's format."""
+    return {"version": PROOF_VERSION,
+            "probe": {"seed": PROBE_SEED, "tokens": probe.tokens, "vocab_size": probe.vocab_size},
+            "dtype": "float32", "device": device, "padded_vocab_size": padded_vocab_size,
+            "losses": [finite(v) for v in losses], "state_dtypes": {"param": "float32"},
+            "digests": dict(sorted(digests.items()))}
 
 
 def loss_tolerance(saved: dict, now: dict) -> float:
