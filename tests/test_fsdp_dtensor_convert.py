@@ -261,6 +261,7 @@ def test_an_fsdp_dtensor_checkpoint_resumes_through_megatrons_loader_then_saves_
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 
 
+@pytest.mark.slow  # run by hand (CI time); the dense conversions run in CI
 def test_a_converted_moe_checkpoint_resumes_on_ep2_with_the_distributed_optimizer(python, tmp_path):
     """Megatron-FSDP over DP2 with 4 sequential experts (one expert rank: megatron's global expert
     ids are the meta model's) -> convert -> EP2 with the distributed optimizer, within TOL."""

@@ -114,6 +114,7 @@ def test_resume_with_another_padded_vocabulary(python, reference, tmp_path):
     assert max_delta(reference["losses"], r.losses(), range(K + 1, N + 1)) <= TOL
 
 
+@pytest.mark.slow  # run by hand (CI time); the signal save: test_megatron_flags.py (own loop) runs in CI
 def test_sigterm_with_exit_signal_handler_saves_and_resumes(python, reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     cut = run(python, tmp_path / "cut", 2, TP2 + UNIVERSAL + ["--exit-signal-handler", "--save", str(ckpt),
@@ -174,8 +175,9 @@ def moe_reference(python, tmp_path_factory):
     ("tp2_sp_expert_tp2", TP2 + SP + ["--expert-tensor-parallel-size", "2"]),
     # Megatron-FSDP shards the dense weights over both ranks and holds two experts on each;
     # `optim`, as its default strategy mis-accumulates the experts' gradients (test_fsdp_flags.py)
-    ("megatron_fsdp_ep2", ["--use-megatron-fsdp", "--expert-model-parallel-size", "2",
-                           "--data-parallel-sharding-strategy", "optim"]),
+    pytest.param("megatron_fsdp_ep2", ["--use-megatron-fsdp", "--expert-model-parallel-size", "2",
+                                       "--data-parallel-sharding-strategy", "optim"],
+                 marks=pytest.mark.slow),  # by hand (CI time); Megatron-FSDP's dense resume runs in CI
 ])
 def test_moe_resumes_from_ep2_on_another_layout(python, moe_reference, tmp_path, name, layout):
     r = run(python, tmp_path, 2, MOE + layout + UNIVERSAL + ["--load", str(moe_reference["ckpt"]),
@@ -304,6 +306,7 @@ def test_cp2_resumes_on_cp1_whose_checkpoint_resumes_on_cp2_tp2(python, cp2_refe
     assert max_delta(cp2_reference["losses"], cp2tp2.losses(), range(K + 3, N + 1)) <= TOL
 
 
+@pytest.mark.slow  # run by hand (CI time); CP2 -> CP1 -> CP2 x TP2 runs in CI
 def test_cp2_resumes_on_pp2_with_the_distributed_optimizer(python, cp2_reference, tmp_path):
     r = run(python, tmp_path, 2, ROPE + PP2 + DIST + UNIVERSAL + ["--load", str(cp2_reference["ckpt"]),
                                                                  "--ckpt-step", str(K)], N).check()
@@ -334,6 +337,7 @@ def there_and_back(python, tmp_path, sharded, other, back=()):
     assert max_delta(ref.losses(), returned.losses(), range(K + 3, N + 1)) <= TOL
 
 
+@pytest.mark.slow  # run by hand (CI time); Megatron-FSDP's there-and-back runs in CI, FSDP2's mapping in test_fsdp2_map.py
 def test_fsdp2_resumes_on_tp2_with_the_distributed_optimizer_and_back(python, tmp_path):
     there_and_back(python, tmp_path, FSDP2, ["--untie-embeddings-and-output-weights"] + TP2 + DIST)
 
@@ -481,6 +485,7 @@ def features(python, corpus, tmp_path_factory):
     return {"run": r, "losses": r.losses(), "ckpt": work / "ckpt"}
 
 
+@pytest.mark.slow  # run by hand (CI time); EOD masks and position resets: test_megatron_data.py (own loop)
 def test_recompute_eod_masking_and_warmup_survive_a_resume_on_another_layout(python, corpus, features, tmp_path):
     for name, value in (("recompute_granularity", "full"), ("recompute_method", "uniform"),
                         ("eod_mask_loss", "True"), ("reset_position_ids", "True")):
