@@ -2,8 +2,11 @@
 recovery time from the local tier against the persistent tier and a memcpy of the state, as
 ratios measured in one run (by hand, not in CI).
 
-    python benchmarks/bench_local_tier.py [--hidden-size 512 --num-layers 8 --vocab-size 32000]
+    python benchmarks/bench_local_tier.py [--sizes 512x8,1024x11] [--vocab-size 32000]
         [--nproc 2] [--local-dir /dev/shm/ucp-bench] [--workdir DIR] [--rounds 2] [--json out.json]
+
+`--sizes`: the models measured in one run, hidden size x layers: 512x8 is 500 MB of state,
+1024x11 about 2 GB.
 
 One training job (the project's loop, `--nproc` CPU processes on 2 pretended nodes, each rank's
 host name node0 or node1 as tests/runner.py pretends them, TP = nproc, distributed optimizer)
@@ -80,6 +83,12 @@ def memcpy_seconds(nbytes: int) -> float:
     return best
 
 
+def snapshot_floor(nbytes: int) -> float:
+    """The best of 3 copies of `nbytes` into a buffer touched before (a local save's stall
+    copies a rank's share into the buffers of the previous save): what a snapshot must cost."""
+    return memcpy_seconds(nbytes)
+
+
 def traffic(line: str) -> dict:
     """{node: (MB received, MB loaded)} of a restore line."""
     part = re.search(r"MB received / loaded: ([^;)]*)", line).group(1)
@@ -88,8 +97,7 @@ def traffic(line: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--sizes", default="512x8,1024x11", help="models measured, hidden x layers, comma-separated")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--local-dir", default=None, help="default: a new folder under /dev/shm")
@@ -99,12 +107,23 @@ def main() -> int:
     a = p.parse_args()
     if a.nproc % 2:
         sys.exit("--nproc must be even (2 pretended nodes)")
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="ucp-bench-local-"))
+    results = []
+    for size in a.sizes.split(","):
+        hidden, layers = (int(x) for x in size.lower().split("x"))
+        results.append(measure(a, hidden, layers))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def measure(a, hidden: int, layers: int) -> dict:
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="ucp-bench-local-")) / f"h{hidden}x{layers}"
     local = Path(a.local_dir or tempfile.mkdtemp(prefix="ucp-bench-local-", dir="/dev/shm"))
+    work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(local, ignore_errors=True)
-    model = ["--cpu", "--mock-data", "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+    model = ["--cpu", "--mock-data", "--num-layers", str(layers), "--hidden-size", str(hidden),
              "--num-attention-heads", "8", "--seq-length", "64", "--vocab-size", str(a.vocab_size),
              "--micro-batch-size", "1", "--global-batch-size", str(2 * a.nproc), "--use-distributed-optimizer",
              "--lr-decay-style", "constant"]
@@ -135,15 +154,20 @@ def main() -> int:
             shutil.rmtree(local, ignore_errors=True)
     state_bytes = sum(f.stat().st_size for f in (ckpt / "iter_0000004" / "tensors").iterdir())
     floor = memcpy_seconds(state_bytes)
-    r = {"state_bytes": state_bytes, "nproc": a.nproc, "local_stall_s": stalls, "persistent_save_s": saves,
-         "memcpy_s": floor, "restarts": {}}
+    share = snapshot_floor(state_bytes // a.nproc)
+    r = {"hidden": hidden, "layers": layers, "state_bytes": state_bytes, "nproc": a.nproc, "local_stall_s": stalls,
+         "persistent_save_s": saves, "memcpy_s": floor, "rank_share_memcpy_s": share, "restarts": {}}
     if not (stalls and saves):
         sys.exit("a timing line is missing from the training output:\n" + out[-2000:])
-    print(f"state: {state_bytes / 1e6:.0f} MB (fp32 weights and Adam moments), {a.nproc} processes on 2 "
-          f"pretended nodes; a memcpy of it: {floor:.3f} s")
-    r["stall_ratio"] = statistics.median(saves) / statistics.median(stalls)
-    print(f"training stall  local save {statistics.median(stalls):.3f} s (median of {len(stalls)}) | "
-          f"persistent save {statistics.median(saves):.3f} s (median of {len(saves)}) | "
+    print(f"state: {state_bytes / 1e6:.0f} MB (hidden {hidden}, {layers} layers: fp32 weights and Adam moments), "
+          f"{a.nproc} processes on 2 pretended nodes; a memcpy of it: {floor:.3f} s, of one rank's share: {share:.3f} s")
+    # The first local save allocates its buffers; the later ones reuse them (the steady state).
+    steady = stalls[1:] or stalls
+    r["stall_ratio"] = statistics.median(saves) / statistics.median(steady)
+    r["stall_over_copy"] = statistics.median(steady) / share
+    print(f"training stall  local save {statistics.median(steady):.3f} s (median of {len(steady)} after the first, "
+          f"{stalls[0]:.3f} s) | in-memory copy of a rank's share {share:.3f} s | local / copy = "
+          f"{r['stall_over_copy']:.1f}x | persistent save {statistics.median(saves):.3f} s (median of {len(saves)}) | "
           f"persistent / local = {r['stall_ratio']:.1f}x")
     for name in layouts:
         local_s = seconds(r"resumed iteration 6 in ([\d.]+) s", local_out[name])
@@ -164,9 +188,7 @@ def main() -> int:
               f"= {x['local_over_memcpy']:.1f}x | received / loaded per node: "
               + ", ".join(f"{h} {rc:.0f} / {ld:.0f} MB" for h, (rc, ld) in sorted(moved.items())))
         print(f"  {lines[-1]}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(r, indent=1))
-    return 0
+    return r
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ as a universal checkpoint on any layout, in place (engine/piece_reads.py; docs/e
 "The local tier").
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_ucp.engine import local_plan, ownership, proof
 from megatron_ucp.engine.collective import all_true, on_rank_zero, run_everywhere
-from megatron_ucp.engine.save import _manifest_head, _plan, _snapshot, owned_regions
+from megatron_ucp.engine.save import _digests, _manifest_head, _plan, _snapshot
 from megatron_ucp.errors import ConfigError, SaveError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.tensor_entry import STATES
@@ -118,34 +119,53 @@ class LocalTier:
         self.pending = None
         self.restored = None  # the local iteration this run restored (for --local-ckpt-check-loss)
         self.padded_vocab = None  # the model's padded vocabulary, recorded in each COMPLETE marker
+        self.staging = {}  # the last snapshot's buffers, reused by the next (the write is done then)
 
     # -- saving ---------------------------------------------------------------------------------
 
     def save(self, args, state, iteration: int, consumed: int) -> None:
-        """Copy this rank's piece into memory now; write it and its replicas in the background."""
+        """Copy this rank's piece into memory now (into the previous save's buffers: no page
+        of it is new after the first save) and run the resume proof's probe; the proof's
+        digests of the copy, the write and the replicas run in the background."""
         self.wait()
         optimizer = None if args.no_save_optim else state.optimizer
         states = STATES if optimizer is not None else ("param",)
         tensors = local_tensors(state.model, optimizer, args.vocab_size)
-        plan, sources, entries, _, _ = _plan(tensors, states, optimizer is not None, merge=False)
-        record = proof.record(state.model, owned_regions(tensors, optimizer is not None), args.vocab_size)
-        snapshot = _snapshot(plan.items, sources, states, copy=True)
+        plan, sources, entries, part_shapes, _ = _plan(tensors, states, optimizer is not None, merge=False)
+        probed = proof.record_probe(state.model, args.vocab_size)
+        dtypes = proof.source_dtypes(data for _, data in sources.values())
+        snapshot = _snapshot(plan.items, sources, states, copy=True, staging=self.staging)
+        self.staging = {(key, s): chunk for key, by_state in snapshot.items() for s, chunk in by_state.items()}
         rank = dist.get_rank()
         meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(), "job": self.job,
                 "rng": None if args.no_save_rng else rng.capture()}
-        if rank == 0:
-            meta["head"] = _manifest_head(iteration, entries, state.model, optimizer,
-                                          None if optimizer is None else state.scheduler, args.vocab_size,
-                                          consumed, vars(args), not args.no_save_rng,
-                                          dict(state.progress), record).to_json()
+        head = _manifest_head(iteration, entries, state.model, optimizer,
+                              None if optimizer is None else state.scheduler, args.vocab_size, consumed,
+                              vars(args), not args.no_save_rng, dict(state.progress), probed) if rank == 0 else None
         items = [(i.name, i.region) for i in plan.items]
         arrays = [snapshot[i.key] for i in plan.items]
-        self.pending = _Background(lambda: self._write(iteration, items, arrays, meta))
+        proved = lambda: (_digests(plan.items, snapshot, part_shapes), dtypes)  # noqa: E731
+        self.pending = _Background(lambda: self._write(iteration, items, arrays, meta, head, proved))
 
-    def _write(self, iteration, items, arrays, meta) -> bool:
-        """Background: the piece to this node's dir, replicas to and from other nodes, then the
-        node's COMPLETE marker once every rank wrote everything. Returns whether it did."""
+    def _write(self, iteration, items, arrays, meta, head=None, proved=None) -> bool:
+        """Background: the proof's digests summed over the ranks into rank 0's manifest head,
+        the piece to this node's dir, replicas to and from other nodes, then the node's
+        COMPLETE marker once every rank wrote everything. Returns whether it did."""
         rank, world = dist.get_rank(), dist.get_world_size()
+        if proved is not None:
+            try:
+                mine = proved()
+            except Exception as e:  # told to every rank: none is left waiting in the gather
+                mine = f"{type(e).__name__}: {e}"
+            parts = [None] * world
+            dist.all_gather_object(parts, mine, group=self.group)
+            failed = next((p for p in parts if isinstance(p, str)), None)
+            if failed:
+                raise SaveError(f"local checkpoint of iteration {iteration}: the resume proof's digests failed ({failed})")
+            if head is not None:
+                head = dataclasses.replace(head, proof=proof.with_digests(head.proof, parts))
+        if head is not None:
+            meta = dict(meta, head=head.to_json())
         refused = _attempt(local_piece.prepare, self.node_dir, iteration, self.job) if self.leader else None
         if refused:
             print(f" warning: local checkpoint of iteration {iteration} on {self.host}: {refused}",

@@ -193,7 +193,7 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
         for state in data:
             source = data[state][offset:offset + item.region.numel]
             if copy:  # one pass from the source (any device, any dtype) into the staging buffer
-                buf = _staging_buffer(staging, (item.key, state), (item.region.numel,))
+                buf = _staging_buffer(staging, (item.key, state), (item.region.numel,), source.is_cuda)
                 torch.from_numpy(buf).copy_(source.detach())
                 out[item.key][state] = buf
             else:
@@ -201,11 +201,12 @@ def _snapshot(items, sources, states, copy: bool, staging: dict = None) -> dict:
     return out
 
 
-def _staging_buffer(staging, key, shape) -> np.ndarray:
-    """The previous save's fp32 buffer under `key` when it has `shape`, else a new one."""
+def _staging_buffer(staging, key, shape, pinned: bool = False) -> np.ndarray:
+    """The previous save's fp32 buffer under `key` when it has `shape`, else a new one
+    (page-locked for a copy from a GPU)."""
     buf = staging.get(key) if staging is not None else None
     if buf is None or buf.shape != shape:
-        buf = host_memory.empty_fp32(int(np.prod(shape))).reshape(shape)
+        buf = host_memory.empty_fp32(int(np.prod(shape)), pinned).reshape(shape)
     return buf
 
 

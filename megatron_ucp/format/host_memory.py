@@ -51,8 +51,12 @@ def empty_like(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def empty_fp32(numel: int) -> np.ndarray:
-    """An uninitialised flat fp32 array on huge pages where possible."""
+def empty_fp32(numel: int, pinned: bool = False) -> np.ndarray:
+    """An uninitialised flat fp32 array on huge pages where possible; page-locked (`pinned`,
+    for copies from a GPU: the driver copies them at full speed, without a bounce buffer) where
+    CUDA is there. Pinning costs once: callers keep such buffers across saves."""
+    if pinned and torch.cuda.is_available():
+        return torch.empty(numel, dtype=torch.float32, pin_memory=True).numpy()
     out = torch.empty(numel, dtype=torch.float32)
     advise_huge_pages(out)
     return out.numpy()
