@@ -2,11 +2,11 @@
 recovery time from the local tier against the persistent tier and a memcpy of the state, as
 ratios measured in one run (by hand, not in CI).
 
-    python benchmarks/bench_local_tier.py [--sizes 512x8,1024x11] [--vocab-size 32000]
+    python benchmarks/bench_local_tier.py [--sizes 512x8,1024x10] [--vocab-size 32000]
         [--nproc 2] [--local-dir /dev/shm/ucp-bench] [--workdir DIR] [--rounds 2] [--json out.json]
 
 `--sizes`: the models measured in one run, hidden size x layers: 512x8 is 500 MB of state,
-1024x11 about 2 GB.
+1024x10 about 1.9 GB.
 
 One training job (the project's loop, `--nproc` CPU processes on 2 pretended nodes, each rank's
 host name node0 or node1 as tests/runner.py pretends them, TP = nproc, distributed optimizer)
@@ -97,7 +97,7 @@ def traffic(line: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="512x8,1024x11", help="models measured, hidden x layers, comma-separated")
+    p.add_argument("--sizes", default="512x8,1024x10", help="models measured, hidden x layers, comma-separated")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--local-dir", default=None, help="default: a new folder under /dev/shm")

@@ -4,12 +4,14 @@ nothing else; runs that span pieces are split, runs adjacent in a piece merged i
 
 import os
 import threading
+import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_ucp.engine import piece_reads
-from megatron_ucp.errors import IncompleteCheckpointError
+from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.layout import Region
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
@@ -21,19 +23,25 @@ SHARES = {0: Region("", (0, 0), (6, 2), 0, 12), 1: Region("", (0, 2), (3, 2), 0,
 VALUES = np.arange(24, dtype=np.float32).reshape(SHAPE) + 0.5
 
 
-def _source(tmp_path):
-    """A PieceSource over three pieces of "w" (param and exp_avg = -param), its headers indexed
-    as the restore indexes them (the manifest head is not needed here)."""
+def _source(tmp_path, checked_crcs=False):
+    """A PieceSource over three pieces of "w" (param and exp_avg = -param) of iteration 1 in
+    tmp_path, their headers indexed as the restore indexes them (the manifest head is not needed
+    here); `checked_crcs`: each piece's CRC-32 is checked at its first read."""
     src = piece_reads.PieceSource.__new__(piece_reads.PieceSource)
     src.where, src.paths, src.metas, src.touched = str(tmp_path), {}, {}, {}
+    src.node_dir, src.iteration, src.checked, src.crcs, src.bad, src._checks = str(tmp_path), 1, {}, {}, {}, {}
     listed = {}
     for rank, r in SHARES.items():
         box = VALUES[r.offset[0]:r.offset[0] + r.shape[0], r.offset[1]:r.offset[1] + r.shape[1]].reshape(-1)
         data = local_piece.encode([("w", r)], [{"param": box, "exp_avg": -box}], {"rank": rank})
-        path = tmp_path / f"rank_{rank}.safetensors"
+        path = Path(local_piece.piece_path(str(tmp_path), 1, rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         src.paths[rank] = str(path)
         src.metas[rank], listed[rank] = piece_reads.piece_regions(str(path), len(data))
+        src.checked[rank] = (len(data), None)
+        if checked_crcs:
+            src.crcs[rank] = zlib.crc32(data)
     src.index = piece_reads._index(listed, {("w", ""): SHAPE}, src.paths)
     src._fds, src._lock = {}, threading.Lock()
     return src
@@ -92,3 +100,30 @@ def test_a_piece_that_changed_after_its_check_is_refused(tmp_path):
     os.truncate(path, len(data) - 4)
     with pytest.raises(IntegrityError, match="changed after it was checked"):
         piece_reads.piece_regions(str(path), len(data))
+
+
+def test_a_piece_is_checked_at_its_first_read_and_a_damaged_one_is_named(tmp_path):
+    """The restore no longer has the node's leader read every piece: each rank checks the
+    CRC-32 of a piece the first time it reads from it. A damaged byte in piece 1 fails the
+    first read of piece 1 (and every later one), names the piece, lands in `bad` (the restore
+    takes another copy); piece 0 still reads; without an expected CRC nothing is checked."""
+    src = _source(tmp_path, checked_crcs=True)
+    layout = _layout()
+    path = Path(src.paths[1])
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40  # an exp_avg element of piece 1: the header is intact
+    path.write_bytes(bytes(raw))
+    runs_of_piece = {0: [(0, 0, 2)], 1: [(2, 0, 2)]}  # row 0's columns 0-1 (piece 0), 2-3 (piece 1)
+    out = np.zeros(2, np.float32)
+    src.read_runs("w", layout, "param", runs_of_piece[0], out)
+    assert np.array_equal(out, VALUES[0, :2])
+    for _ in range(2):
+        with pytest.raises(IntegrityError, match=r"rank_00001\.safetensors: CRC-32 .* differs"):
+            src.read_runs("w", layout, "param", runs_of_piece[1], np.zeros(2, np.float32))
+    assert list(src.bad) == [1] and "CRC-32" in src.bad[1]
+    src.close()
+    unchecked = _source(tmp_path / "plain")
+    Path(unchecked.paths[1]).write_bytes(bytes(raw))
+    unchecked.read_runs("w", layout, "param", runs_of_piece[1], np.zeros(2, np.float32))  # no CRC expected
+    assert not unchecked.bad
+    unchecked.close()

@@ -6,9 +6,9 @@
 2. All ranks agree (local_plan.choose) on the newest iteration newer than the persistent
    checkpoint of which every saving rank's piece has a copy on some surviving node; the
    leaders check that iteration's pieces from their headers (slot, size, regions, and that
-   together they cover every tensor: local_check), then read them, each once, no further than
-   that size, checked against its CRC-32; a bad copy makes them choose again without it (the
-   next copy, the next iteration).
+   together they cover every tensor: local_check); the pieces a leader sends to other nodes
+   it reads once, no further than that size, checked against their CRC-32; a bad copy makes
+   them choose again without it (the next copy, the next iteration).
 3. Each node's leader receives the pieces its node lacks from a node that holds them (each
    byte once per receiving node) and keeps them in its dir as the node's own copies
    (local_piece.keep_copy: written beside and renamed, the iteration marked complete on a node
@@ -18,10 +18,13 @@
 4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
    manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
    needs is read from the pieces that hold it through an index of their runs, nothing else
-   (a rank of the saving layout that owned all it holds reads its own piece alone). The
-   load does not hash again: every byte was checked against its piece's CRC-32 in step 2 (or
-   by the sender), and each rank checks that a piece's header is the one its leader checked.
-   The resume proof runs after it; a disproved iteration is set aside, the next one tried.
+   (a rank of the saving layout that owned all it holds reads its own piece alone). Each rank
+   checks a piece's CRC-32 the first time it reads from it (a received piece was checked by
+   its sender), so a node's pieces are checked by the ranks that read them, in parallel, and
+   the pieces no rank reads are not read at all; a failed check is raised on every rank, and
+   the restore starts again without that copy. Each rank also checks that a piece's header is
+   the one its leader checked. The resume proof runs after the load; a disproved iteration is
+   set aside, the next one tried.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
 Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
 restore will take (its COMPLETE markers record it): padding rows take part in the softmax, so
@@ -146,21 +149,26 @@ def peek(root: str, newer_than: int, job):
 
 
 def _read_held(tier, choice, copies, digests, keep):
-    """Leaders: ({saving rank: its bytes where `keep(rank)` (it is sent), else its header's
-    digest (it is read in place later)} of the sound copies of the chosen iteration on this
-    node, [(host, iteration, rank, why)] of the bad ones), each piece read once, no further
-    than its checked size, and checked against its CRC-32; other ranks: ({}, [])."""
+    """Leaders: ({saving rank: its bytes where `keep(rank)` (it is sent: read once, no further
+    than its checked size, and checked against its CRC-32), else its header's digest (it is
+    read in place later, and its CRC-32 checked by the ranks that read it)} of the sound copies
+    of the chosen iteration on this node, [(host, iteration, rank, why)] of the bad ones);
+    other ranks: ({}, [])."""
     held, bad = {}, []
     if not tier.leader:
         return held, bad
     for rank, holding in choice.holders.items():
-        if tier.host in holding:
-            read = local_piece.read_piece if keep(rank) else local_piece.check_piece
-            try:
-                held[rank] = read(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
-                                  copies[rank].crc32, digests.get(rank))
-            except IntegrityError as e:
-                bad.append((tier.host, choice.iteration, rank, str(e)))
+        if tier.host not in holding:
+            continue
+        if not keep(rank) and digests.get(rank):
+            held[rank] = digests[rank]  # read in place: its readers check its CRC-32 (piece_reads)
+            continue
+        read = local_piece.read_piece if keep(rank) else local_piece.check_piece
+        try:
+            held[rank] = read(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
+                              copies[rank].crc32, digests.get(rank))
+        except IntegrityError as e:
+            bad.append((tier.host, choice.iteration, rank, str(e)))
     return held, bad
 
 
@@ -195,16 +203,18 @@ def _choose(tier, found: list, newer_than: int, kept=None):
         found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
 
 
-def restore(tier, args, state, newer_than: int, reseed=None):
+def restore(tier, args, state, newer_than: int, reseed=None, found=None):
     """Restore the newest usable local iteration newer than `newer_than`; returns the engine's
-    LoadResult, or None (after one line saying why) when the persistent tier must serve."""
+    LoadResult, or None (after one line saying why) when the persistent tier must serve.
+    `found`: the nodes' inventories as a failed attempt left them (its bad copies marked)."""
     start = time.perf_counter()
     rank = dist.get_rank()
-    mine = run_everywhere(lambda: inventory(tier.node_dir, tier.host, tier.job) if tier.leader else None,
-                          group=tier.group)
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, mine, group=tier.group)
-    found = [f for f in found if f is not None]
+    if found is None:
+        mine = run_everywhere(lambda: inventory(tier.node_dir, tier.host, tier.job) if tier.leader else None,
+                              group=tier.group)
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine, group=tier.group)
+        found = [f for f in found if f is not None]
     choice, held = _choose(tier, found, newer_than, lambda c: local_receive.sent_by(tier, c))
     target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
     if choice.iteration is None:
@@ -223,7 +233,8 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     marks.append(time.perf_counter())
     source, misfit = None, None
     if refused is None:
-        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, group=tier.group)
+        crcs = {r: copies[r].crc32 for r in checked if tier.host in choice.holders.get(r, ()) and r in copies}
+        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, crcs, group=tier.group)
     if source is not None:
         misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
         misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
@@ -247,6 +258,12 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     except ResumeProofError as e:
         source.close()  # before the next iteration's restore opens its own
         return _disproved(tier, args, state, newer_than, reseed, choice.iteration, e)
+    except IntegrityError as e:  # raised on every rank (the load agrees on errors)
+        bad = _gathered([(tier.host, choice.iteration, r, why) for r, why in sorted(source.bad.items())], tier.group)
+        if not bad:
+            raise
+        source.close()
+        return _damaged(tier, args, state, newer_than, reseed, local_plan.mark_bad(found, bad), e)
     finally:
         source.close()
     tier.restored = choice.iteration
@@ -266,11 +283,11 @@ def restore(tier, args, state, newer_than: int, reseed=None):
     return result
 
 
-def _open(node_dir: str, iteration: int, checked: dict):
+def _open(node_dir: str, iteration: int, checked: dict, crcs: dict):
     """(the pieces' reader, None), or (None, why it cannot read them: a piece that changed
     after the leader checked it, a head that is no manifest)."""
     try:
-        return PieceSource(node_dir, iteration, checked), None
+        return PieceSource(node_dir, iteration, checked, crcs), None
     except (FormatError, IncompleteCheckpointError, IntegrityError, LayoutError) as e:
         return None, str(e)
 
@@ -288,6 +305,17 @@ def _disproved(tier, args, state, newer_than: int, reseed, iteration: int, error
         raise IntegrityError(f"local checkpoint tier {args.local_ckpt_dir}: iteration {iteration} failed its "
                              "resume proof and no persistent checkpoint holds the job's state: restart to "
                              "train from scratch (the refused iteration is set aside)")
+    return result
+
+
+def _damaged(tier, args, state, newer_than: int, reseed, found, error):
+    """A copy whose CRC-32 failed as the load read it: the restore again, without it (the next
+    copy, the next iteration, else the persistent tier). The model holds part of the load: with
+    no persistent checkpoint to overwrite it, the job stops (its restart trains from scratch)."""
+    result = restore(tier, args, state, newer_than, reseed, found)
+    if result is None and newer_than < 0:
+        raise IntegrityError(f"local checkpoint tier {args.local_ckpt_dir}: {error}; no other copy and no "
+                             "persistent checkpoint holds the job's state: restart to train from scratch")
     return result
 
 

@@ -8,8 +8,11 @@ by positional reads of the pieces (the page cache of the node serves its ranks o
 byte of a piece a rank needs read once, nothing else. A rank of the saving layout reads its own
 piece and, where it owned every byte it holds, nothing else (`touched` counts per piece).
 
-The pieces were checked by the node's leader before (header, size, CRC-32: local_restore);
-each rank checks the header it indexes is the one the leader checked (digest and size).
+The node's leader checked each piece's header and size before (local_restore); each rank
+checks that the header it indexes is that one (digest and size), and a piece's CRC-32 the
+first time it reads from it: a rank checks only the pieces it reads, the ranks of a node in
+parallel, instead of the leader reading every piece its node holds once more. A piece that
+fails is named in `bad` (the restore takes another copy) and the read raises.
 """
 
 import dataclasses
@@ -33,12 +36,18 @@ F32 = 4
 
 class PieceSource:
     """A universal checkpoint's reader over the pieces of `iteration` in `node_dir`: `checked`
-    {saving rank: (bytes, header digest)} as the leader checked them. `manifest` is rank 0's
-    piece's head, `rng(rank)` a saving rank's RNG state, `read_runs` tensor_io.read_runs's
-    interface with the atomic tensor's name in place of the file's path."""
+    {saving rank: (bytes, header digest)} as the leader checked them, `crcs` {saving rank: the
+    CRC-32 its piece must have} (a piece missing there is not checked again: its bytes were
+    checked as they were received). `manifest` is rank 0's piece's head, `rng(rank)` a saving
+    rank's RNG state, `read_runs` tensor_io.read_runs's interface with the atomic tensor's
+    name in place of the file's path."""
 
-    def __init__(self, node_dir: str, iteration: int, checked: dict):
+    def __init__(self, node_dir: str, iteration: int, checked: dict, crcs: dict = None):
         self.where = iteration_dir(node_dir, iteration)
+        self.node_dir, self.iteration, self.checked = node_dir, iteration, dict(checked)
+        self.crcs = dict(crcs or {})
+        self.bad: dict = {}  # saving rank -> why its piece failed its CRC-32 here
+        self._checks: dict = {}  # saving rank -> the lock its first reader checks it under
         self.paths, self.metas, self.touched = {}, {}, {}
         listed = {}
         for rank, (nbytes, digest) in sorted(checked.items()):
@@ -99,10 +108,28 @@ class PieceSource:
         return total
 
     def _fd(self, piece: int) -> int:
+        """The open piece, its CRC-32 checked at its first read here (once per rank)."""
         with self._lock:
-            if piece not in self._fds:
-                self._fds[piece] = open_regular(self.paths[piece], "local-tier piece")
-            return self._fds[piece]
+            if piece in self._fds:
+                return self._fds[piece]
+            check = self._checks.setdefault(piece, threading.Lock())
+        with check:  # the other pieces' readers go on meanwhile
+            if piece in self.bad:
+                raise IntegrityError(self.bad[piece])
+            with self._lock:
+                if piece in self._fds:
+                    return self._fds[piece]
+            if piece in self.crcs:
+                nbytes, digest = self.checked[piece]
+                try:
+                    local_piece.check_piece(self.node_dir, self.iteration, piece, nbytes, self.crcs[piece], digest)
+                except IntegrityError as e:
+                    self.bad[piece] = str(e)
+                    raise
+            fd = open_regular(self.paths[piece], "local-tier piece")
+            with self._lock:
+                self._fds[piece] = fd
+            return fd
 
     def close(self) -> None:
         with self._lock:
