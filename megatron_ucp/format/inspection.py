@@ -160,14 +160,19 @@ def check_file(root: str, name: str, entry: TensorEntry) -> list:
         check_header(root, name, entry)
     except UCPError as e:
         return [str(e)]
-    path = safe_files.safe_join(root, entry.file)
+    problem = checksum_problem(safe_files.safe_join(root, entry.file), name, entry)
+    return [problem] if problem else []
+
+
+def checksum_problem(path: str, name: str, entry: TensorEntry):
+    """What is wrong with the checksums the manifest records for a tensor file; None: nothing."""
     size, block, sums = entry.file_size, entry.block_bytes, entry.checksums
     base = len(file_layout(entry).header)
     if not (isinstance(block, int) and block > 0 and isinstance(sums, tuple)
             and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
-        return [f"{path}: manifest records bad checksums for {name!r} "
-                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, tuple) else sums!r} sums)"]
-    return []
+        return (f"{path}: manifest records bad checksums for {name!r} "
+                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, tuple) else sums!r} sums)")
+    return None
 
 
 def verify_tensor(root: str, name: str, entry: TensorEntry) -> list:
