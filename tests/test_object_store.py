@@ -1,0 +1,176 @@
+"""Universal checkpoints in an object store (s3://), against a real S3 endpoint on 127.0.0.1
+(moto's server behind a fault-injecting proxy: tests/s3_server.py), started here.
+
+Two torchrun groups of 4 CPU ranks share everything: the first trains TP2 x PP2 saving to the
+store, resumes on TP1 x DP4 from it, loads it once more reading once (bytes counted) and is
+SIGKILLed in a save; the second resumes after the kill, resumes the same checkpoint from a
+local copy, and loads damaged copies (missing, short, changed object; 503 SlowDown always).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("boto3", reason="the s3-tests extra (run.sh setup installs it)")
+pytest.importorskip("moto", reason="the s3-tests extra (run.sh setup installs it)")
+
+from harness import BASE, losses, ok, run_steps  # noqa: E402
+from s3_server import s3_endpoint  # noqa: E402
+
+N, K = 10, 5
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DIST = ["--use-distributed-optimizer"]
+BUCKET = "ucp"
+A = f"s3://{BUCKET}/A"
+FAULTS = ("missing", "short", "changed", "slowdown")
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with s3_endpoint() as (url, faults, env), pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        import boto3
+
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        yield client, faults
+
+
+def _objects(client, prefix: str) -> dict:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", ())})
+    return out
+
+
+def _train(name, extra, iters=N, save=None, interval=None, load=None, step=None):
+    argv = BASE + extra + ["--train-iters", str(iters)]
+    if save:
+        argv += ["--save", save, "--save-interval", str(interval)]
+    if load:
+        argv += ["--load", load, "--load-universal"] + (["--ckpt-step", str(step)] if step is not None else [])
+    return {"name": name, "op": "train", "argv": argv}
+
+
+@pytest.fixture(scope="module")
+def first(endpoint, tmp_path_factory):
+    """Train TP2xPP2 to the store; resume on TP1xDP4; a read-once load counted; a save killed."""
+    client, faults = endpoint
+    work = tmp_path_factory.mktemp("s3_first")
+    steps = [
+        _train("a_tp2pp2", TP2PP2 + DIST, save=A, interval=K),
+        _train("b_tp1dp4", DIST, load=A, step=K),
+        {"name": "r_once", "op": "roundtrip", "argv": BASE + DIST + [
+            "--train-iters", str(N), "--load", A, "--ckpt-step", str(K), "--ckpt-read-policy", "once"],
+         "save_to": str(work / "R"), "env": {}},
+        # rank 1 dies in the checksum of its second file: after uploading its first one
+        {"name": "kill", "op": "kill_during_save", "rank": 1, "function": "block_checksums", "after": 2,
+         "argv": BASE + DIST + ["--train-iters", str(N), "--load", A, "--ckpt-step", str(N), "--save", A]},
+    ]
+    gets = faults.seen.get("GET", 0)
+    results = run_steps(4, steps, work, allow_failure=True)
+    killed = _objects(client, f"A/iter_{N + 1:07d}/")
+    return results, killed, faults.seen.get("GET", 0) - gets
+
+
+def _copy(client, src: str, dest: str) -> dict:
+    objects = _objects(client, src + "/")
+    for key in objects:
+        client.copy_object(Bucket=BUCKET, Key=dest + key[len(src):], CopySource={"Bucket": BUCKET, "Key": key})
+    return {dest + key[len(src):]: size for key, size in objects.items()}
+
+
+def _damage(client, faults, kind: str, tmp: Path) -> str:
+    """A copy of A's iteration K under F_<kind>, its largest tensor object damaged; its path."""
+    prefix = f"F_{kind}"
+    copied = _copy(client, f"A/iter_{K:07d}", f"{prefix}/iter_{K:07d}")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/latest_checkpointed_iteration.txt", Body=f"{K}\n".encode())
+    key = max((k for k in copied if "/tensors/" in k), key=lambda k: copied[k])
+    data = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    if kind == "missing":
+        client.delete_object(Bucket=BUCKET, Key=key)
+    elif kind == "short":
+        client.put_object(Bucket=BUCKET, Key=key, Body=data[:-100])
+    elif kind == "changed":  # same size, one byte of the last block changed after the manifest
+        client.put_object(Bucket=BUCKET, Key=key, Body=data[:-7] + bytes([data[-7] ^ 0x40]) + data[-6:])
+    else:
+        faults.add("GET", f"/{key}", "503")
+    return f"s3://{BUCKET}/{key}"
+
+
+@pytest.fixture(scope="module")
+def second(endpoint, first, tmp_path_factory):
+    """After the kill: resume from the store's tracker (and save again); the same resume from a
+    local copy of the checkpoint; loads of damaged copies."""
+    client, faults = endpoint
+    work = tmp_path_factory.mktemp("s3_second")
+    local = work / "A_local"
+    for key in _objects(client, f"A/iter_{K:07d}/"):
+        path = local / key[len("A/"):]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    damaged = {kind: _damage(client, faults, kind, work) for kind in FAULTS}
+    steps = [
+        _train("after_kill", DIST, iters=N + 2, save=A, interval=2, load=A),
+        _train("b_disk", DIST, load=str(local), step=K),
+    ] + [{"name": f"e_{kind}", "op": "load_expecting_error",
+          "argv": BASE + DIST + ["--train-iters", str(N), "--load", f"s3://{BUCKET}/F_{kind}", "--load-universal"]}
+         for kind in FAULTS]
+    results = run_steps(4, steps, work)
+    faults.clear()
+    return results, damaged
+
+
+def test_tp2pp2_saved_to_s3_resumes_on_tp1dp4_with_the_same_losses(first, second):
+    results, _, _ = first
+    reference, resumed = losses(results, "a_tp2pp2"), losses(results, "b_tp1dp4")
+    assert sorted(resumed) == list(range(K + 1, N + 1))
+    # the state from the store is the state from disk: the same resume from a local copy of the
+    # same objects trains the same losses, bitwise
+    assert resumed == losses(second[0], "b_disk")
+    assert max(abs(reference[i] - resumed[i]) for i in resumed) <= 1e-6  # fp32 (1.2e-7 seen)
+
+
+def test_read_once_from_s3_requests_each_byte_once(endpoint, first):
+    client, _ = endpoint
+    results, _, _ = first
+    per_rank = ok(results, "r_once")["per_rank"]
+    from megatron_ucp.format import manifest as mf
+    from megatron_ucp.format.tensor_entry import file_layout
+
+    m = mf.read_manifest(f"{A}/iter_{K:07d}")
+    data = sum(file_layout(e).file_size - len(file_layout(e).header) for e in m.tensors.values())
+    assert sum(r["read"] for r in per_rank) == data  # every byte requested once, nothing else
+    assert all(r["hashed_after"] == 0 for r in per_rank)  # verified from the bytes read
+    assert all(0 < r["read"] <= r["owned"] for r in per_rank) and not any(r["notes"] for r in per_rank)
+
+
+def test_sigkill_during_a_save_to_s3_leaves_the_previous_checkpoint(endpoint, first, second):
+    client, _ = endpoint
+    results, killed, _ = first
+    assert "survived" not in results.get("kill", {})
+    assert f"A/iter_{N + 1:07d}/ucp.json" not in killed  # uploads perhaps, never the manifest
+    ok(second[0], "after_kill")
+    out = ok(second[0], "after_kill")["stdout"]
+    assert f"iteration {N}" in out.split("resumed", 1)[1].splitlines()[0], out[-2000:]
+    after = _objects(client, "A/")
+    # the next save removed the dead save's objects, committed its own, moved the tracker
+    assert not any(k.startswith(f"A/iter_{N + 1:07d}/") for k in after)
+    assert f"A/iter_{N + 2:07d}/ucp.json" in after
+    tracker = client.get_object(Bucket=BUCKET, Key="A/latest_checkpointed_iteration.txt")["Body"].read()
+    assert tracker.strip() == str(N + 2).encode()
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_a_faulty_store_is_one_line_naming_the_object(second, kind):
+    results, damaged = second
+    raised = ok(results, f"e_{kind}").get("raised")
+    assert raised, f"the load of a {kind} object succeeded"
+    for message in raised:
+        assert "\n" not in message and damaged[kind] in message, message
+    expected = {"missing": "missing", "short": "truncated", "changed": "crc32", "slowdown": "SlowDown"}[kind]
+    assert expected in raised[0], raised[0]
