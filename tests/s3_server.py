@@ -45,6 +45,8 @@ class Faults:
 
 
 def _handler(upstream_port: int, faults: Faults):
+    local = threading.local()  # one connection to moto per proxy thread, kept
+
     class Proxy(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -62,10 +64,17 @@ def _handler(upstream_port: int, faults: Faults):
                 self.end_headers()
                 self.wfile.write(SLOW_DOWN)
                 return
-            conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
             headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
-            conn.request(self.command, self.path, body=body, headers=headers)
-            r = conn.getresponse()
+            conn = getattr(local, "conn", None)
+            try:
+                if conn is None:
+                    raise ConnectionError
+                conn.request(self.command, self.path, body=body, headers=headers)
+                r = conn.getresponse()
+            except (ConnectionError, http.client.HTTPException, OSError):
+                local.conn = conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+                conn.request(self.command, self.path, body=body, headers=headers)
+                r = conn.getresponse()
             data = r.read()
             self.send_response(r.status)
             for k, v in r.getheaders():
@@ -81,7 +90,6 @@ def _handler(upstream_port: int, faults: Faults):
                 return
             if self.command != "HEAD":
                 self.wfile.write(data)
-            conn.close()
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
@@ -90,7 +98,8 @@ def _handler(upstream_port: int, faults: Faults):
 
 @contextmanager
 def s3_endpoint():
-    """(endpoint URL, Faults, environment for clients) of a fresh moto server behind the proxy."""
+    """(endpoint URL, Faults, environment for clients) of a fresh moto server behind the proxy;
+    UCP_TEST_MOTO_URL in the environment: moto itself, for the tests' own quick changes."""
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -111,7 +120,7 @@ def s3_endpoint():
            "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/dev/null",
            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "UCP_S3_MAX_ATTEMPTS": "3"}
     try:
-        yield url, faults, env
+        yield url, faults, dict(env, UCP_TEST_MOTO_URL=f"http://127.0.0.1:{moto_port}")
     finally:
         proxy.shutdown()
         proxy.server_close()

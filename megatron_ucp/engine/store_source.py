@@ -41,6 +41,11 @@ class StoreSource:
 
     verifies = True  # verify.py's checks run through check_file / crc_spans
 
+    @property
+    def threads(self) -> int:
+        """Reads in flight per rank: a GET waits on the network, not on a core."""
+        return getattr(self.store, "threads", 1)
+
     def __init__(self, root: str):
         self.root, self.store = root, storage.store_for(root)
         self.manifest = mf.read_manifest(root)
@@ -95,16 +100,16 @@ class StoreSource:
             path, want = storage.join(self.root, entry.file), file_layout(entry)
         except (FormatError, IntegrityError) as e:
             return [f"{entry.file}: {e}"]
-        size = self.store.size(path)
-        if size is None:
+        found = self.store.head(path, len(want.header))
+        if found is None:
             return [f"{path}: tensor file of {name!r} is missing"]
+        header, size = found
         if entry.file_size != want.file_size:
             return [f"{path}: manifest file_size {entry.file_size!r} but the layout of {name!r} needs "
                     f"{want.file_size} bytes"]
         if size != entry.file_size:
             kind = "truncated" if size < entry.file_size else "too long"
             return [f"{path}: object has {size} bytes, manifest says {entry.file_size} ({kind})"]
-        header = self.store.read_ranges(path, [(0, len(want.header))])[0]
         if header != want.header:
             return [f"{path}: header does not match the manifest's layout of {name!r}"]
         problem = checksum_problem(path, name, entry)

@@ -114,6 +114,30 @@ class S3Store(Store):
             out.append(data)
         return out
 
+    def head(self, path, nbytes):
+        """One ranged GET: the bytes, and the size from its Content-Range ("bytes 0-N/SIZE")."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        for _ in range(self.attempts):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._key(path), Range=f"bytes=0-{max(nbytes, 1) - 1}")
+                data = r["Body"].read()
+                break
+            except ClientError as e:
+                error = self._fail(path, e, "reading its header")
+                if isinstance(error, IncompleteCheckpointError):
+                    return None
+                if isinstance(error, IntegrityError):  # an empty object: no range to serve
+                    return b"", self.size(path)
+                raise error from None
+            except BotoCoreError as e:
+                last = e
+        else:
+            raise self._fail(path, last, "reading its header")
+        total = str(r.get("ContentRange", "")).rpartition("/")[2]
+        size = int(total) if total.isdigit() else int(r.get("ContentLength", len(data)))
+        return data[:nbytes], size
+
     def size(self, path):
         from botocore.exceptions import BotoCoreError, ClientError
 

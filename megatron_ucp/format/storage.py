@@ -76,6 +76,14 @@ class Store:
         """The object's size in bytes; None where there is none."""
         raise NotImplementedError
 
+    def head(self, path: str, nbytes: int):
+        """(its first `nbytes` bytes or fewer, its size) in one request; None where there is
+        no object (a file's header and size: the checks of every load)."""
+        size = self.size(path)
+        if size is None:
+            return None
+        return self.read_ranges(path, [(0, min(nbytes, size))])[0], size
+
     def exists(self, path: str) -> bool:
         return self.size(path) is not None
 
