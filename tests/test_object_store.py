@@ -8,6 +8,8 @@ local copy, and loads damaged copies (missing, short, changed object; 503 SlowDo
 """
 
 
+import json
+
 import numpy as np
 import pytest
 
@@ -22,17 +24,28 @@ TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
 DIST = ["--use-distributed-optimizer"]
 BUCKET = "ucp"
 A = f"s3://{BUCKET}/A"
+MSC_PROFILE = "ucp-test"
 FAULTS = ("missing", "short", "changed", "slowdown")
 
 
 @pytest.fixture(scope="module")
-def endpoint():
+def endpoint(tmp_path_factory):
     with s3_endpoint() as (url, faults, env), pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
         import boto3
 
         from botocore.config import Config
+
+        # a Multi-Storage Client profile (as Megatron-LM's --enable-msc reads) over the same bucket
+        config = tmp_path_factory.mktemp("msc") / "msc_config.json"
+        config.write_text(json.dumps({"profiles": {MSC_PROFILE: {
+            "storage_provider": {"type": "s3", "options": {"base_path": BUCKET, "endpoint_url": url,
+                                                           "region_name": "us-east-1"}},
+            "credentials_provider": {"type": "S3Credentials",
+                                     "options": {"access_key": "testing", "secret_key": "testing"}},
+            "retry": {"attempts": 2, "delay": 0.1}}}}))
+        mp.setenv("MSC_CONFIG", str(config))
 
         # the tests' own changes go to moto directly (no faults, no proxy hop), many at once
         client = boto3.client("s3", endpoint_url=env["UCP_TEST_MOTO_URL"],
@@ -120,6 +133,7 @@ def second(endpoint, first, tmp_path_factory):
     steps = [
         _train("after_kill", DIST, iters=N + 2, save=A, interval=2, load=A),
         _train("b_disk", DIST, load=str(local), step=K),
+        _train("b_msc", DIST, load=f"msc://{MSC_PROFILE}/A", step=K),  # the same objects, through MSC
     ] + [{"name": f"e_{kind}", "op": "load_expecting_error",
           "argv": BASE + DIST + ["--train-iters", str(N), "--load", f"s3://{BUCKET}/F_{kind}", "--load-universal"]}
          for kind in FAULTS]
@@ -134,7 +148,7 @@ def test_tp2pp2_saved_to_s3_resumes_on_tp1dp4_with_the_same_losses(first, second
     assert sorted(resumed) == list(range(K + 1, N + 1))
     # the state from the store is the state from disk: the same resume from a local copy of the
     # same objects trains the same losses, bitwise
-    assert resumed == losses(second[0], "b_disk")
+    assert resumed == losses(second[0], "b_disk") == losses(second[0], "b_msc")
     assert max(abs(reference[i] - resumed[i]) for i in resumed) <= 1e-6  # fp32 (1.2e-7 seen)
 
 
@@ -210,3 +224,25 @@ def test_the_store_retries_what_s3_clients_retry_then_names_the_object(endpoint,
     with pytest.raises(IntegrityError, match=f"s3://{BUCKET}/u/small: object ends at byte offset 10"):
         store.read_ranges(f"s3://{BUCKET}/u/small", [(4, 20)])
     assert store.head(f"s3://{BUCKET}/u/nothing", 8) is None
+
+
+def test_msc_store_reads_writes_lists_and_names_a_missing_object(endpoint, tmp_path):
+    """msc://PROFILE/path through the Multi-Storage Client, over the loopback endpoint."""
+    from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError
+    from megatron_ucp.format import storage
+
+    path = f"msc://{MSC_PROFILE}/m/x"
+    store = storage.store_for(path)
+    store.write(path, b"0123456789")
+    local = tmp_path / "f"
+    local.write_bytes(b"abc" * 100)
+    store.upload(f"msc://{MSC_PROFILE}/m/f", str(local))
+    assert store.read_ranges(path, [(2, 4), (8, 10)]) == [b"23", b"89"]
+    assert store.head(path, 3) == (b"012", 10) and store.read(path, 100, "x") == b"0123456789"
+    assert store.list(f"msc://{MSC_PROFILE}/m") == [(f"msc://{MSC_PROFILE}/m/f", 300), (path, 10)]
+    with pytest.raises(IntegrityError, match=f"{path}: object ends at byte offset 10"):
+        store.read_ranges(path, [(8, 12)])
+    store.delete([path])
+    assert store.size(path) is None
+    with pytest.raises(IncompleteCheckpointError, match=f"{path}: object is missing"):
+        store.read_ranges(path, [(0, 1)])
