@@ -246,3 +246,18 @@ def test_msc_store_reads_writes_lists_and_names_a_missing_object(endpoint, tmp_p
     assert store.size(path) is None
     with pytest.raises(IncompleteCheckpointError, match=f"{path}: object is missing"):
         store.read_ranges(path, [(0, 1)])
+
+
+def test_a_missing_client_package_is_one_line(monkeypatch):
+    """The package runs without the s3 extra; an s3:// path then names what to install."""
+    import sys
+
+    from megatron_ucp.errors import ConfigError
+    from megatron_ucp.format import storage
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 raises ImportError
+    monkeypatch.setattr(storage, "_STORES", {})
+    with pytest.raises(ConfigError, match=r"^s3://nobucket: s3:// paths need the package 'boto3' "
+                                          r"\(pip install boto3, or megatron-ucp\[s3\]\)$"):
+        storage.store_for("s3://nobucket/x")
+    assert not storage.is_remote("/tmp/s3:/x") and storage.scheme_of("msc://p/x") == "msc"
