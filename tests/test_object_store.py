@@ -229,10 +229,10 @@ def test_the_store_retries_what_s3_clients_retry_then_names_the_object(endpoint,
 def test_msc_store_reads_writes_lists_and_names_a_missing_object(endpoint, tmp_path):
     """msc://PROFILE/path through the Multi-Storage Client, over the loopback endpoint."""
     from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError
-    from megatron_ucp.format import storage
+    from megatron_ucp.format import stores
 
     path = f"msc://{MSC_PROFILE}/m/x"
-    store = storage.store_for(path)
+    store = stores.store_for(path)
     store.write(path, b"0123456789")
     local = tmp_path / "f"
     local.write_bytes(b"abc" * 100)
@@ -253,11 +253,11 @@ def test_a_missing_client_package_is_one_line(monkeypatch):
     import sys
 
     from megatron_ucp.errors import ConfigError
-    from megatron_ucp.format import storage
+    from megatron_ucp.format import storage, stores
 
     monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 raises ImportError
-    monkeypatch.setattr(storage, "_STORES", {})
+    monkeypatch.setattr(stores, "_STORES", {})
     with pytest.raises(ConfigError, match=r"^s3://nobucket: s3:// paths need the package 'boto3' "
                                           r"\(pip install boto3, or megatron-ucp\[s3\]\)$"):
-        storage.store_for("s3://nobucket/x")
+        stores.store_for("s3://nobucket/x")
     assert not storage.is_remote("/tmp/s3:/x") and storage.scheme_of("msc://p/x") == "msc"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import settings
-from megatron_ucp.engine import ownership, proof
+from megatron_ucp.engine import ownership, proof, store_save
 from megatron_ucp.engine.collective import (all_true, exchange_objects, group_device, on_rank_zero,
                                             run_everywhere)
 from megatron_ucp.engine.plan import offer_items
@@ -395,7 +395,7 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
                           consumed_samples, args, save_rng, progress, record) if rank == 0 else None
     execute = _execute
     if storage.is_remote(save_dir):  # an object store: no rename, each file uploaded whole
-        from megatron_ucp.engine.store_save import execute
+        execute = functools.partial(store_save.execute, exchange_rows=_exchange_rows, digests_of=_digests)
     job = functools.partial(execute, save_dir, iteration, plan.items, snapshot, transfers, entries,
                             part_shapes, created, rng.capture() if save_rng else None, head, keep_last,
                             _checkpoint_group() if async_save else None, dtypes)

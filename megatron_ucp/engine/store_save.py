@@ -28,9 +28,10 @@ import tempfile
 
 import torch.distributed as dist
 
+from megatron_ucp.engine import proof
 from megatron_ucp.engine.collective import exchange_objects, on_rank_zero, run_everywhere
 from megatron_ucp.errors import SaveError
-from megatron_ucp.format import checksums, storage, tensor_io
+from megatron_ucp.format import checksums, storage, stores, tensor_io
 from megatron_ucp.format.folder import MANIFEST, TRACKER, iteration_dir, iteration_of, rng_file
 from megatron_ucp.format.layout import region_runs
 from megatron_ucp.format.tensor_entry import file_layout, file_tensor_name
@@ -120,15 +121,14 @@ def _commit(store, save_dir: str, iteration: int, head, all_checksums) -> None:
 
 
 def execute(save_dir, iteration, items, snapshot, transfers, entries, part_shapes, created, rng_state,
-            head, keep_last, group, dtypes=None):
+            head, keep_last, group, dtypes=None, *, exchange_rows, digests_of):
     """save._execute's steps for a store (same arguments): column blocks exchanged, every
     item's bytes sent to its file's creator, files assembled, checksummed and uploaded, the
-    resume proof's digests, then the commit; every step agreed by all ranks over `group`."""
-    from megatron_ucp.engine import proof
-    from megatron_ucp.engine.save import _digests, _exchange_rows
+    resume proof's digests, then the commit; every step agreed by all ranks over `group`.
+    `exchange_rows`, `digests_of`: save.py's steps of the same names."""
 
     rank = dist.get_rank()
-    store = storage.store_for(save_dir)
+    store = stores.store_for(save_dir)
     layouts = {name: file_layout(e) for name, e in entries.items()}
     everywhere = functools.partial(run_everywhere, group=group)
     final = iteration_dir(save_dir, iteration)
@@ -136,7 +136,7 @@ def execute(save_dir, iteration, items, snapshot, transfers, entries, part_shape
     try:
         os.makedirs(os.path.join(local, "tensors"))
         on_rank_zero(prepare, store, save_dir, iteration, group=group)
-        everywhere(_exchange_rows, transfers, group)
+        everywhere(exchange_rows, transfers, group)
         creators = [None] * dist.get_world_size(group)
         dist.all_gather_object(creators, sorted(created), group=group)
         creator = {name: r for r, names in enumerate(creators) for name in names}
@@ -147,7 +147,7 @@ def execute(save_dir, iteration, items, snapshot, transfers, entries, part_shape
         everywhere(_build, local, entries, layouts, created,
                    [x for r in sorted(received) for x in received[r]], part_shapes)
         sums = everywhere(_upload, store, final, local, entries, layouts, created, rng_state)
-        digests = None if dtypes is None else (everywhere(_digests, items, snapshot, part_shapes), dtypes)
+        digests = None if dtypes is None else (everywhere(digests_of, items, snapshot, part_shapes), dtypes)
         sent = list(exchange_objects({0: (sums, digests)} if sums or digests else {}, group).values())
         if rank == 0 and dtypes is not None:
             head = dataclasses.replace(head, proof=proof.with_digests(head.proof, [d for _, d in sent if d]))

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError
-from megatron_ucp.format import manifest as mf, safe_files, storage, tensor_io
+from megatron_ucp.format import manifest as mf, safe_files, storage, stores, tensor_io
 from megatron_ucp.format.checksums import crc32
 from megatron_ucp.format.folder import rng_file
 from megatron_ucp.format.inspection import checksum_problem
@@ -47,7 +47,7 @@ class StoreSource:
         return getattr(self.store, "threads", 1)
 
     def __init__(self, root: str):
-        self.root, self.store = root, storage.store_for(root)
+        self.root, self.store = root, stores.store_for(root)
         self.manifest = mf.read_manifest(root)
 
     def rng(self, rank: int) -> dict:

@@ -16,7 +16,7 @@ import uuid
 from typing import Optional
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, UCPError
-from megatron_ucp.format import storage
+from megatron_ucp.format import storage, stores
 from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
 from megatron_ucp.format.safe_files import MAX_TRACKER_BYTES, open_regular, read_bounded
 
@@ -42,7 +42,7 @@ def designated_format(directory: str):
     naming it when it is missing or holds no checkpoint (both trainers' format checks). In an
     object store only universal checkpoints are read."""
     if storage.is_remote(directory):
-        if not storage.store_for(directory).exists(storage.join(directory, MANIFEST)):
+        if not stores.store_for(directory).exists(storage.join(directory, MANIFEST)):
             raise IncompleteCheckpointError(f"{directory}: holds no universal checkpoint (no {MANIFEST}: "
                                             "never committed, or its save was killed)")
         return "universal", MANIFEST
@@ -125,7 +125,7 @@ def read_tracker(root: str) -> int:
     path = os.path.join(root, TRACKER)
     try:
         if storage.is_remote(root):
-            raw = storage.store_for(root).read(path, MAX_TRACKER_BYTES, "tracker file")
+            raw = stores.store_for(root).read(path, MAX_TRACKER_BYTES, "tracker file")
         else:
             raw = read_bounded(path, "tracker file", MAX_TRACKER_BYTES, root)
     except IncompleteCheckpointError:

@@ -17,7 +17,6 @@ An object store has no rename: the commit protocol of a save into one is store_s
 from __future__ import annotations
 
 import os
-import threading
 
 from megatron_ucp.errors import ConfigError, FormatError
 from megatron_ucp.format import durability, safe_files
@@ -150,35 +149,6 @@ class PosixStore(Store):
                 os.unlink(p)
             except FileNotFoundError:
                 pass
-
-
-def exists(path) -> bool:
-    """Whether a file (os.path.lexists) or an object is at `path`."""
-    return store_for(path).exists(path) if is_remote(path) else os.path.lexists(path)
-
-
-_STORES: dict = {}
-_LOCK = threading.Lock()
-
-
-def store_for(path) -> Store:
-    """The store that holds `path`: one client per scheme and bucket (or profile), shared by
-    the threads of this process."""
-    scheme = scheme_of(path) if isinstance(path, str) else None
-    if scheme is None:
-        return PosixStore()
-    _, bucket, _ = split(path)
-    with _LOCK:
-        store = _STORES.get((scheme, bucket))
-        if store is None:
-            if scheme == "s3":
-                from megatron_ucp.format.s3_store import S3Store
-                store = S3Store(bucket)
-            else:
-                from megatron_ucp.format.msc_store import MscStore
-                store = MscStore(bucket)
-            _STORES[(scheme, bucket)] = store
-        return store
 
 
 def need(module: str, path: str):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_ucp.engine.local_tier import tolerating_save_failure
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
-from megatron_ucp.format import storage
+from megatron_ucp.format import storage, stores
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 from megatron_ucp.mcore import saved_args
 from megatron_ucp.mcore.flag_validation import keeps_saved_padding
@@ -171,7 +171,7 @@ def prepare_load(args) -> None:
 
 def _has_checkpoint(args) -> bool:
     """A tracker (or --ckpt-step) names a checkpoint; whether it is sound is load's to say."""
-    return args.ckpt_step is not None or storage.exists(os.path.join(args.load, TRACKER))
+    return args.ckpt_step is not None or stores.exists(os.path.join(args.load, TRACKER))
 
 
 def _saved_args(args) -> tuple:
@@ -302,4 +302,4 @@ def check_format(directory: str, wanted: str) -> None:
 
 
 def _is_universal(directory: str) -> bool:
-    return storage.exists(os.path.join(directory, "ucp.json"))
+    return stores.exists(os.path.join(directory, "ucp.json"))
