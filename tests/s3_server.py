@@ -21,10 +21,15 @@ def _free_port() -> int:
 class Faults:
     """Rules the proxy applies: [(method, text in the path, kind, times left)]; kind "503" or
     "cut" (headers with the full length, then half the body and a closed connection). A
-    negative count: always. `seen` counts the requests per method."""
+    negative count: always. `seen` counts the requests per method, `served` the body bytes
+    answered per method."""
 
     def __init__(self):
-        self.rules, self.lock, self.seen = [], threading.Lock(), {}
+        self.rules, self.lock, self.seen, self.served = [], threading.Lock(), {}, {}
+
+    def count(self, method: str, nbytes: int) -> None:
+        with self.lock:
+            self.served[method] = self.served.get(method, 0) + nbytes
 
     def add(self, method: str, text: str, kind: str, times: int = -1) -> None:
         with self.lock:
@@ -90,6 +95,7 @@ def _handler(upstream_port: int, faults: Faults):
                 return
             if self.command != "HEAD":
                 self.wfile.write(data)
+                faults.count(self.command, len(data))
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 

@@ -261,3 +261,44 @@ def test_a_missing_client_package_is_one_line(monkeypatch):
                                           r"\(pip install boto3, or megatron-ucp\[s3\]\)$"):
         stores.store_for("s3://nobucket/x")
     assert not storage.is_remote("/tmp/s3:/x") and storage.scheme_of("msc://p/x") == "msc"
+
+
+def test_prepare_and_keep_last_on_a_store(endpoint):
+    """In this process: a save's preparation deletes what dead saves left (folders without a
+    manifest, unfinished multipart uploads) and uncommits the iteration it saves again;
+    --keep-last deletes older complete checkpoints, never the newest."""
+    from megatron_ucp.engine import store_save
+    from megatron_ucp.format import stores
+
+    client, _ = endpoint
+    root = f"s3://{BUCKET}/K"
+    store = stores.store_for(root)
+    for i in (1, 2, 3, 5):
+        store.write(f"{root}/iter_{i:07d}/tensors/w.safetensors", b"w")
+        if i != 5:
+            store.write(f"{root}/iter_{i:07d}/ucp.json", b"{}")
+    store.write(f"{root}/iter_{4:07d}/tensors/w.safetensors", b"dead")  # a killed save's
+    client.create_multipart_upload(Bucket=BUCKET, Key=f"K/iter_{4:07d}/tensors/big.safetensors")
+    assert store_save.prepare(store, root, 3) == 1 + 3  # the upload; iterations 3 (uncommitted), 4, 5
+    left = set(_objects(client, "K/"))
+    assert f"K/iter_{3:07d}/ucp.json" not in left and f"K/iter_{3:07d}/tensors/w.safetensors" not in left
+    assert not any(k.startswith((f"K/iter_{4:07d}/", f"K/iter_{5:07d}/")) for k in left)
+    assert not client.list_multipart_uploads(Bucket=BUCKET, Prefix="K/").get("Uploads")
+    store.write(f"{root}/iter_{3:07d}/ucp.json", b"{}")
+    assert store_save.prune(store, root, 1, newest=3) == [1, 2]
+    assert set(_objects(client, "K/")) == {f"K/iter_{3:07d}/ucp.json"}
+
+
+def test_inspect_verifies_a_checkpoint_in_the_store(second, capsys):
+    """`megatron-ucp inspect s3://ROOT --verify --json` (the save root resolves through its
+    tracker): of a checkpoint with one object changed after the manifest, that object is the
+    one problem, named with its block; every other object verified sound."""
+    from megatron_ucp.commands import inspect_checkpoint
+
+    _, damaged = second
+    assert inspect_checkpoint.main([f"s3://{BUCKET}/F_changed", "--verify", "--json"]) == 1
+    out = capsys.readouterr()
+    desc = json.loads(out.out)
+    assert desc["iteration"] == K and desc["path"] == f"s3://{BUCKET}/F_changed/iter_{K:07d}"
+    assert len(desc["problems"]) == 1 and desc["problems"][0].startswith(f"{damaged['changed']}: block 0 (bytes ")
+    assert "has crc32" in desc["problems"][0] and "FAILED: 1 problem" in out.err

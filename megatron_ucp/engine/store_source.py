@@ -11,12 +11,11 @@ import os
 
 import numpy as np
 
-from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError
+from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError
 from megatron_ucp.format import manifest as mf, safe_files, storage, stores, tensor_io
 from megatron_ucp.format.checksums import crc32
 from megatron_ucp.format.folder import rng_file
-from megatron_ucp.format.inspection import checksum_problem
-from megatron_ucp.format.tensor_entry import file_layout
+from megatron_ucp.format.store_inspection import check_object
 from megatron_ucp.mcore import rng
 
 
@@ -96,24 +95,7 @@ class StoreSource:
 
     def check_file(self, name: str, entry) -> list:
         """inspection.check_file's problems, from the object's size and header bytes."""
-        try:
-            path, want = storage.join(self.root, entry.file), file_layout(entry)
-        except (FormatError, IntegrityError) as e:
-            return [f"{entry.file}: {e}"]
-        found = self.store.head(path, len(want.header))
-        if found is None:
-            return [f"{path}: tensor file of {name!r} is missing"]
-        header, size = found
-        if entry.file_size != want.file_size:
-            return [f"{path}: manifest file_size {entry.file_size!r} but the layout of {name!r} needs "
-                    f"{want.file_size} bytes"]
-        if size != entry.file_size:
-            kind = "truncated" if size < entry.file_size else "too long"
-            return [f"{path}: object has {size} bytes, manifest says {entry.file_size} ({kind})"]
-        if header != want.header:
-            return [f"{path}: header does not match the manifest's layout of {name!r}"]
-        problem = checksum_problem(path, name, entry)
-        return [problem] if problem else []
+        return check_object(self.store, self.root, name, entry)
 
     def check_header(self, name: str, entry) -> None:
         problems = self.check_file(name, entry)

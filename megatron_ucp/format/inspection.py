@@ -9,14 +9,17 @@ import math
 import os
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
-from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_file
-from megatron_ucp.format.folder import TRACKER, found_format, iteration_dir, rng_file, tracker_iteration
+from megatron_ucp.format import checksums, manifest as mf, safe_files, storage, stores, tensor_file
+from megatron_ucp.format.folder import (TRACKER, found_format, iteration_dir, read_tracker, rng_file,
+                                        tracker_iteration)
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 
 
 def resolve(path: str) -> str:
     """The checkpoint folder `path` designates: an iter_ folder itself, or a save root's latest."""
     path = os.fspath(path)
+    if storage.is_remote(path):  # an object store: universal checkpoints only
+        return path if stores.exists(os.path.join(path, mf.MANIFEST)) else iteration_dir(path, read_tracker(path))
     if os.path.lexists(os.path.join(path, mf.MANIFEST)):  # what it is, read_manifest judges
         return path
     _refuse_other_format(path)
