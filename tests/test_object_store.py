@@ -286,7 +286,7 @@ def test_prepare_and_keep_last_on_a_store(endpoint):
     assert not client.list_multipart_uploads(Bucket=BUCKET, Prefix="K/").get("Uploads")
     store.write(f"{root}/iter_{3:07d}/ucp.json", b"{}")
     assert store_save.prune(store, root, 1, newest=3) == [1, 2]
-    assert set(_objects(client, "K/")) == {f"K/iter_{3:07d}/ucp.json"}
+    assert set(_objects(client, "K/")) == {f"K/iter_{3:07d}/ucp.json", "K/.ucp_owner.json"}  # prepare claimed it
 
 
 def test_inspect_verifies_a_checkpoint_in_the_store(second, capsys):
@@ -330,3 +330,31 @@ def test_moe_ep2_saved_to_s3_resumes_on_ep1(endpoint, tmp_path):
     assert sorted(resumed) == list(range(K + 1, N + 1))
     assert max(abs(reference[i] - resumed[i]) for i in resumed) <= 1e-6
     assert "resume proof passed" in ok(results, "b_ep1")["stdout"]
+
+
+def test_one_job_owns_a_prefix_through_conditional_writes(endpoint, monkeypatch):
+    """The owner record on a store: a second job is refused in one line naming the record; a
+    writer holding an old version loses (If-Match), as does a second creator (If-None-Match);
+    a record of another host not written for `stale_after` seconds is taken over; a clean
+    release lets the next job in."""
+    from megatron_ucp.engine import ownership, store_owner
+    from megatron_ucp.errors import SaveError
+    from megatron_ucp.format import stores
+
+    root = f"s3://{BUCKET}/O"
+    record = f"{root}/.ucp_owner.json"
+    store = stores.store_for(root)
+    monkeypatch.setattr(ownership, "_JOB_ID", "job-a")
+    store_owner.claim(root)
+    data, tag, _ = store.read_meta(record, 1 << 16)
+    assert json.loads(data)["job"] == "job-a"
+    assert not store.write_if(record, b"{}", None) and not store.write_if(record, b"{}", '"0123"')
+    monkeypatch.setattr(ownership, "_JOB_ID", "job-b")
+    with pytest.raises(SaveError, match=rf"^{root} is being written by another job \(job-a, .*delete {record}$"):
+        store_owner.claim(root)
+    assert store.write_if(record, json.dumps(dict(ownership.me(), job="job-a", host="elsewhere")).encode(), tag)
+    said = []
+    store_owner.claim(root, stale_after=0.0, announce=lambda line, **_: said.append(line))
+    assert "taking over" in said[0] and "on another host" in said[0]
+    store_owner.release(root)
+    assert store.size(record) is None

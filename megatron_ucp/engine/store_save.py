@@ -28,7 +28,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from megatron_ucp.engine import proof
+from megatron_ucp.engine import proof, store_owner
 from megatron_ucp.engine.collective import exchange_objects, on_rank_zero, run_everywhere
 from megatron_ucp.errors import SaveError
 from megatron_ucp.format import checksums, storage, stores, tensor_io
@@ -58,6 +58,7 @@ def prepare(store, save_dir: str, iteration: int) -> int:
     """Rank 0, before any upload: this iteration uncommitted (its old manifest first), dead
     saves' leftovers removed (unfinished uploads, folders without a manifest). Returns the
     objects and uploads removed."""
+    store_owner.claim(save_dir)  # this job owns the prefix (refreshed at every save, as for a folder)
     manifest = storage.join(iteration_dir(save_dir, iteration), MANIFEST)
     if store.exists(manifest):
         store.delete([manifest])

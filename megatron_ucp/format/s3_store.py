@@ -167,6 +167,43 @@ class S3Store(Store):
         except (ClientError, BotoCoreError, S3UploadFailedError) as e:
             raise StorageError(f"{path}: upload failed after {self.attempts} attempts: {e}") from None
 
+    def read_meta(self, path, max_bytes):
+        import time
+
+        size = self.size(path)
+        if size is None:
+            return None
+        if size > max_bytes:
+            raise IntegrityError(f"{path}: has {size} bytes, more than the {max_bytes} it may have")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self._key(path))
+            data = r["Body"].read()
+        except ClientError as e:
+            error = self._fail(path, e, "reading it")
+            if isinstance(error, IncompleteCheckpointError):
+                return None
+            raise error from None
+        except BotoCoreError as e:
+            raise self._fail(path, e, "reading it") from None
+        return data, r.get("ETag"), time.time() - r["LastModified"].timestamp()
+
+    def write_if(self, path, data, tag):
+        """S3's conditional writes (If-None-Match: *, If-Match: ETag): of writers racing, one wins."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=data, **condition)
+            return True
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                return False  # PreconditionFailed, ConditionalRequestConflict: another writer won
+            raise self._fail(path, e, "writing it") from None
+        except BotoCoreError as e:
+            raise self._fail(path, e, "writing it") from None
+
     def list(self, prefix):
         key = self._key(prefix)
         key = key + "/" if key else ""

@@ -101,6 +101,24 @@ class Store:
     def delete(self, paths) -> None:
         raise NotImplementedError
 
+    def read_meta(self, path: str, max_bytes: int):
+        """(bytes, version tag, seconds since written) of a small object; None where there is
+        none (an owner record: its age says whether its job is stale)."""
+        import time
+
+        size = self.size(path)
+        if size is None:
+            return None
+        data = self.read(path, max_bytes, "object")
+        return data, None, time.time() - os.path.getmtime(path)
+
+    def write_if(self, path: str, data: bytes, tag) -> bool:
+        """Put `data` only if the object is still the version `tag` names (None: only if there
+        is no object); False when another writer got there first. Stores without conditional
+        writes write unconditionally (True): no mutual exclusion there."""
+        self.write(path, data)
+        return True
+
     def abort_uploads(self, prefix: str) -> int:
         """Abort unfinished multipart uploads under `prefix` (a killed save's); how many."""
         return 0

@@ -23,8 +23,10 @@ def claim_save_folder(args) -> None:
     from megatron_ucp.engine import ownership
     from megatron_ucp.engine.collective import run_everywhere
 
-    if storage.is_remote(args.save):
-        return  # no owner lock in an object store yet (docs/object_storage.md)
+    if storage.is_remote(args.save):  # conditional writes in place of the flock
+        from megatron_ucp.engine import store_owner
+        run_everywhere(lambda: store_owner.claim(args.save) if dist.get_rank() == 0 else None)
+        return
     run_everywhere(lambda: ownership.claim(args.save) if dist.get_rank() == 0 else None)
 
 
@@ -33,7 +35,10 @@ def release_save_folder(args) -> None:
     from megatron_ucp.engine import ownership
 
     dist.barrier()  # every rank is done with the folder
-    if dist.get_rank() == 0 and not storage.is_remote(args.save):
+    if dist.get_rank() == 0 and storage.is_remote(args.save):
+        from megatron_ucp.engine import store_owner
+        store_owner.release(args.save)
+    elif dist.get_rank() == 0:
         ownership.release(args.save)
 
 
