@@ -56,8 +56,10 @@ fi
 # The hf extra (transformers, matplotlib) is for tests/test_hf.py; it does not touch the pinned torch.
 # The deepspeed extra (0.16 only, whose suite runs tests/test_deepspeed.py) without its CUDA ops
 # (DS_BUILD_OPS=0); the fsdp extra (0.19: einops, which Megatron-FSDP imports); its CPU communication op is JIT-built on first use into $venv/torch_extensions.
-extras=dev,hf,fsdp
-if [ "$core" = 0.16 ]; then extras=dev,hf,deepspeed; fi
+# The s3-tests extra: boto3, multi-storage-client and moto[server] (tests/test_object_store.py's
+# loopback S3 endpoint).
+extras=dev,hf,fsdp,s3-tests
+if [ "$core" = 0.16 ]; then extras=dev,hf,deepspeed,s3-tests; fi
 DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}" -e ".[$extras]"
 if [ -z "${UCP_OTHER_PYTHON:-}" ] && [ -x "$other/bin/python" ]; then
     export UCP_OTHER_PYTHON="$PWD/$other/bin/python"

@@ -29,6 +29,11 @@ class ConfigError(UCPError):
     """A bad combination of command-line arguments or configuration values."""
 
 
+class StorageError(UCPError):
+    """An object store refused or failed a request after its client's retries (throttling,
+    resets, timeouts); the message names the object."""
+
+
 class SaveError(UCPError):
     """A save failed (disk full, I/O error, another job owns the folder); nothing was committed."""
 

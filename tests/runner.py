@@ -209,7 +209,9 @@ def kill_during_save(step):
     with loop.session(step["argv"]) as (args, state):
         iteration, consumed = loop.resume(args, state)
         if dist.get_rank() == step["rank"]:
-            module = next(m for m in (tensor_io, checksums, durability) if hasattr(m, step["function"]))
+            from megatron_ucp.engine import store_save
+
+            module = next(m for m in (tensor_io, checksums, durability, store_save) if hasattr(m, step["function"]))
             original, calls = getattr(module, step["function"]), [0]
 
             def dying(*a, **k):

@@ -3,7 +3,7 @@
     megatron-ucp inspect CKPT [--verify [--prove]] [--json]
 
 CKPT is a save folder (its latest_checkpointed_iteration.txt picks the iteration) or an
-iter_XXXXXXX folder. Exit status: 0 OK, 1 verification found problems, 2 unreadable checkpoint.
+iter_XXXXXXX folder, on disk or in an object store (s3://BUCKET/PREFIX, msc://PROFILE/PATH). Exit status: 0 OK, 1 verification found problems, 2 unreadable checkpoint.
 Needs numpy only: neither torch nor megatron is imported, but by --prove, which loads the model
 in one CPU process (from the manifest's arguments) and recomputes its resume proof there.
 """
@@ -16,6 +16,7 @@ import time
 
 from megatron_ucp.errors import UCPError, report
 from megatron_ucp.format.inspection import describe, format_table, verify
+from megatron_ucp.format.storage import is_remote
 
 
 def main(argv=None) -> int:
@@ -30,10 +31,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.prove and not args.verify:
         p.error("--prove goes with --verify")
+    if args.prove and is_remote(args.checkpoint):
+        p.error("--prove loads checkpoints on disk: copy it there first (aws s3 sync, msc sync)")
     try:
         desc = describe(args.checkpoint)
         start = time.perf_counter()
-        problems = verify(args.checkpoint) if args.verify else None
+        if args.verify and is_remote(args.checkpoint):  # s3://, msc://: through the store
+            from megatron_ucp.format.store_inspection import verify as verify_in_store
+            problems = verify_in_store(args.checkpoint)
+        else:
+            problems = verify(args.checkpoint) if args.verify else None
         if args.prove and not problems:
             problems = _prove(desc)
         elapsed = time.perf_counter() - start

@@ -27,7 +27,7 @@ from megatron_ucp.engine.reads import exchange, read_plan, read_tensors
 from megatron_ucp.engine.save import current_layout, owned_regions
 from megatron_ucp.engine.verify import Layouts, check_hashes, check_headers, hash_plan
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, LayoutError
-from megatron_ucp.format import manifest as mf, tensor_io
+from megatron_ucp.format import manifest as mf, storage, tensor_io
 from megatron_ucp.format.folder import iteration_dir, read_tracker
 from megatron_ucp.mcore import rng
 from megatron_ucp.mcore.model_map import local_tensors, unwrap
@@ -166,11 +166,15 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     """
     if read_policy not in READ_POLICIES:
         raise ConfigError(f"read_policy {read_policy!r}: expected one of {list(READ_POLICIES)}")
-    if source is not None and verify:
-        raise ConfigError("a load from the local tier's pieces is not verified per block (verify=False)")
     if iteration is None:
         iteration = run_everywhere(read_tracker, load_dir)
     root = iteration_dir(load_dir, iteration)
+    if source is None and storage.is_remote(root):  # an object store: ranged GETs (store_source.py)
+        from megatron_ucp.engine.store_source import StoreSource
+        source = run_everywhere(StoreSource, root)
+    checked = source if getattr(source, "verifies", False) else None  # verify.py's checks through it
+    if source is not None and checked is None and verify:
+        raise ConfigError("a load from the local tier's pieces is not verified per block (verify=False)")
     counter = counter if counter is not None else tensor_io.ReadCounter()
     m, tensors, with_optim, changed, rng_state = run_everywhere(
         _prepare, root, model, optimizer, scheduler, vocab_size, iteration, load_optim,
@@ -185,9 +189,9 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
         owned = [n for n in owned if n not in unrequested]
     layouts = Layouts(m.tensors)
     reading = read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
-    if not verify and source is None:
-        run_everywhere(check_headers, root, m, tensors, reading)
-    plan = hash_plan(root, m, layouts, tensors, reading, owned) if verify else None
+    if not verify and (source is None or checked is not None):
+        run_everywhere(check_headers, root, m, tensors, reading, checked)
+    plan = hash_plan(root, m, layouts, tensors, reading, owned, checked) if verify else None
     hashes: dict = {}
     staged: dict = {}
     run_everywhere(read_tensors, root, m, layouts, tensors, reading, counter,
@@ -205,7 +209,7 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
                 scheduler.load_state_dict(m.scheduler)
 
     run_everywhere(restore)
-    rehashed = check_hashes(root, m, layouts, plan, hashes) if plan is not None else 0
+    rehashed = check_hashes(root, m, layouts, plan, hashes, checked) if plan is not None else 0
     note = None
     if prove:  # before RNG is restored: the probe's forward pass must not shift any generator
         live = owned_regions(local_tensors(model, optimizer if with_optim else None, vocab_size), with_optim)

@@ -288,7 +288,8 @@ def read_tensors(root, m, layouts, tensors, plan: ReadPlan, counter, hash_spans:
     # Largest first, so that the threads' tails are short.
     order = sorted((i for i, reads in enumerate(plan.reads) if reads),
                    key=lambda i: -sum(stop - start for _, start, stop, _ in plan.reads[i]))
-    for name, done, found in tensor_io.in_parallel(load_one, order, tensor_io.read_threads()):
+    threads = max(tensor_io.read_threads(), getattr(source, "threads", 1))  # a store's GETs wait on the network
+    for name, done, found in tensor_io.in_parallel(load_one, order, threads):
         counter.bytes += done.bytes
         counter.calls += done.calls
         hashes.setdefault(name, []).extend(found)

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ucp import settings
-from megatron_ucp.engine import ownership, proof
+from megatron_ucp.engine import ownership, proof, store_save
 from megatron_ucp.engine.collective import (all_true, exchange_objects, group_device, on_rank_zero,
                                             run_everywhere)
 from megatron_ucp.engine.plan import offer_items
 from megatron_ucp.engine.planner import part_shapes_of, plan_save
 from megatron_ucp.errors import IncompleteCheckpointError, SaveError
-from megatron_ucp.format import checksums, durability, folder, host_memory, manifest as mf, tensor_io
+from megatron_ucp.format import checksums, durability, folder, host_memory, manifest as mf, storage, tensor_io
 from megatron_ucp.format.folder import iteration_dir
 from megatron_ucp.format.layout import region_runs
 from megatron_ucp.format.tensor_entry import STATES, TensorEntry, file_layout, file_tensor_name
@@ -394,7 +394,10 @@ def save_universal(save_dir: str, iteration: int, model, optimizer=None, schedul
     snapshot.update(rows)
     head = _manifest_head(iteration, entries, model, optimizer, scheduler, vocab_size,
                           consumed_samples, args, save_rng, progress, record) if rank == 0 else None
-    job = functools.partial(_execute, save_dir, iteration, plan.items, snapshot, transfers, entries,
+    execute = _execute
+    if storage.is_remote(save_dir):  # an object store: no rename, each file uploaded whole
+        execute = functools.partial(store_save.execute, exchange_rows=_exchange_rows, digests_of=_digests)
+    job = functools.partial(execute, save_dir, iteration, plan.items, snapshot, transfers, entries,
                             part_shapes, created, rng.capture() if save_rng else None, head, keep_last,
                             _checkpoint_group() if async_save else None, dtypes)
     if not async_save:

@@ -3,6 +3,7 @@ reads it where it can (inline, as the load reads it), the rest after the load; e
 block hashes checked by one rank (checksums.py), so that a damaged byte fails the load on every
 rank before it returns."""
 
+import functools
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from megatron_ucp.engine.plan import assign_files
 from megatron_ucp.engine.planner import owner_of
 from megatron_ucp.engine.reads import ReadPlan, file_runs
 from megatron_ucp.errors import IntegrityError
-from megatron_ucp.format import checksums, safe_files, tensor_io
+from megatron_ucp.format import checksums, safe_files, storage, tensor_io
 from megatron_ucp.format.inspection import check_file, check_header
 from megatron_ucp.format.manifest import Manifest
 from megatron_ucp.format.tensor_entry import file_layout
@@ -50,25 +51,27 @@ def file_checkers(entries: dict, world: int):
     return shares, {name: r for r, names in enumerate(shares) for name in names}
 
 
-def check_files(root: str, m: Manifest):
-    """Sizes, headers and recorded checksums of this rank's share of the tensor files; returns
-    file_checkers."""
+def check_files(root: str, m: Manifest, source=None):
+    """Sizes, headers and recorded checksums of this rank's share of the tensor files (through
+    `source` where it serves them: store_source.StoreSource); returns file_checkers."""
     shares, checker = file_checkers(m.tensors, dist.get_world_size())
     mine = shares[dist.get_rank()]
     # A cold header read is a disk round trip (10 ms here): several in flight.
-    found = tensor_io.in_parallel(lambda name: check_file(root, name, m.tensors[name]), mine)
+    check = source.check_file if source is not None else functools.partial(check_file, root)
+    found = tensor_io.in_parallel(lambda name: check(name, m.tensors[name]), mine)
     problems = [p for file_problems in found for p in file_problems]
     if problems:
         raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
     return shares, checker
 
 
-def check_headers(root: str, m: Manifest, tensors, plan: ReadPlan) -> None:
+def check_headers(root: str, m: Manifest, tensors, plan: ReadPlan, source=None) -> None:
     """Without verification, the header of each file this rank reads (a few KB) is still
     checked against the manifest: the reads take their offsets from the manifest's layout, so a
     valid file with a longer header would be misread silently. Also refuses FIFOs and devices."""
     names = sorted({t.name for t, reads in zip(tensors, plan.reads) if reads})
-    tensor_io.in_parallel(lambda name: check_header(root, name, m.tensors[name]), names)
+    check = source.check_header if source is not None else functools.partial(check_header, root)
+    tensor_io.in_parallel(lambda name: check(name, m.tensors[name]), names)
 
 
 def read_spans(m: Manifest, layouts, tensors, plan: ReadPlan) -> dict:
@@ -112,7 +115,7 @@ def collect_hash_plan(replies: dict, checkers, rank: int) -> HashPlan:
     return HashPlan(inline, after, shares[rank], checker)
 
 
-def hash_plan(root: str, m: Manifest, layouts, tensors, reading: ReadPlan, owned) -> HashPlan:
+def hash_plan(root: str, m: Manifest, layouts, tensors, reading: ReadPlan, owned, source=None) -> HashPlan:
     """Collective: files checked (sizes, headers), then every byte of every tensor file given
     one rank to hash, as it loads it where it can (the reads of `reading`: under read-once, each
     replicated byte is read, and so hashed, by one member of its replica group). `owned`: the
@@ -120,7 +123,7 @@ def hash_plan(root: str, m: Manifest, layouts, tensors, reading: ReadPlan, owned
 
     Each file's hashing is planned by its owner, from the spans its readers send it: a rank
     sends and receives what concerns its own reads and files, not the world's."""
-    checkers = run_everywhere(check_files, root, m)
+    checkers = run_everywhere(check_files, root, m, source)
     rank, world = dist.get_rank(), dist.get_world_size()
     spans = run_everywhere(read_spans, m, layouts, tensors, reading)
     told = exchange_objects(route_spans(spans, world))
@@ -154,7 +157,7 @@ def hash_problems(m: Manifest, layouts, names, received: dict, path) -> list:
     return problems
 
 
-def check_hashes(root: str, m: Manifest, layouts, plan: HashPlan, hashes: dict) -> int:
+def check_hashes(root: str, m: Manifest, layouts, plan: HashPlan, hashes: dict, source=None) -> int:
     """Collective, after the load: hash what the load did not, send each file's hashes to the
     rank that checks it, and check the blocks of this rank's share of the files. Returns the
     bytes hashed after."""
@@ -168,8 +171,10 @@ def check_hashes(root: str, m: Manifest, layouts, plan: HashPlan, hashes: dict) 
         for name, lo, hi in todo:
             by_file.setdefault(name, []).append((lo, hi))
         for name, spans in by_file.items():
-            path = safe_files.safe_join(root, m.tensors[name].file)
-            crcs = checksums.crc_spans(path, spans)
+            if source is not None:
+                crcs = source.crc_spans(name, spans)
+            else:
+                crcs = checksums.crc_spans(safe_files.safe_join(root, m.tensors[name].file), spans)
             hashes.setdefault(name, []).extend((lo, hi, c) for (lo, hi), c in zip(spans, crcs))
         return sum(hi - lo for _, lo, hi in todo)
 
@@ -180,7 +185,7 @@ def check_hashes(root: str, m: Manifest, layouts, plan: HashPlan, hashes: dict) 
 
     def check():
         problems = hash_problems(m, layouts, plan.checks, received,
-                                 lambda entry: safe_files.safe_join(root, entry.file))
+                                 lambda entry: storage.join(root, entry.file))
         if problems:
             raise IntegrityError(f"{root}: checkpoint failed verification: " + "; ".join(problems[:5]))
 

@@ -16,6 +16,7 @@ import uuid
 from typing import Optional
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, UCPError
+from megatron_ucp.format import storage, stores
 from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
 from megatron_ucp.format.safe_files import MAX_TRACKER_BYTES, open_regular, read_bounded
 
@@ -38,7 +39,13 @@ def is_legacy(directory: str) -> bool:
 
 def designated_format(directory: str):
     """found_format of the folder --load (and --ckpt-step) designate; IncompleteCheckpointError
-    naming it when it is missing or holds no checkpoint (both trainers' format checks)."""
+    naming it when it is missing or holds no checkpoint (both trainers' format checks). In an
+    object store only universal checkpoints are read."""
+    if storage.is_remote(directory):
+        if not stores.store_for(directory).exists(storage.join(directory, MANIFEST)):
+            raise IncompleteCheckpointError(f"{directory}: holds no universal checkpoint (no {MANIFEST}: "
+                                            "never committed, or its save was killed)")
+        return "universal", MANIFEST
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
     found, evidence = found_format(directory)
@@ -117,7 +124,10 @@ def tracker_iteration(raw: bytes, path: str) -> int:
 def read_tracker(root: str) -> int:
     path = os.path.join(root, TRACKER)
     try:
-        raw = read_bounded(path, "tracker file", MAX_TRACKER_BYTES, root)
+        if storage.is_remote(root):
+            raw = stores.store_for(root).read(path, MAX_TRACKER_BYTES, "tracker file")
+        else:
+            raw = read_bounded(path, "tracker file", MAX_TRACKER_BYTES, root)
     except IncompleteCheckpointError:
         raise IncompleteCheckpointError(f"{path}: no tracker file; is {root} a checkpoint folder?") from None
     return tracker_iteration(raw, path)

@@ -9,14 +9,17 @@ import math
 import os
 
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, UCPError
-from megatron_ucp.format import checksums, manifest as mf, safe_files, tensor_file
-from megatron_ucp.format.folder import TRACKER, found_format, iteration_dir, rng_file, tracker_iteration
+from megatron_ucp.format import checksums, manifest as mf, safe_files, storage, stores, tensor_file
+from megatron_ucp.format.folder import (TRACKER, found_format, iteration_dir, read_tracker, rng_file,
+                                        tracker_iteration)
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 
 
 def resolve(path: str) -> str:
     """The checkpoint folder `path` designates: an iter_ folder itself, or a save root's latest."""
     path = os.fspath(path)
+    if storage.is_remote(path):  # an object store: universal checkpoints only
+        return path if stores.exists(os.path.join(path, mf.MANIFEST)) else iteration_dir(path, read_tracker(path))
     if os.path.lexists(os.path.join(path, mf.MANIFEST)):  # what it is, read_manifest judges
         return path
     _refuse_other_format(path)
@@ -160,14 +163,19 @@ def check_file(root: str, name: str, entry: TensorEntry) -> list:
         check_header(root, name, entry)
     except UCPError as e:
         return [str(e)]
-    path = safe_files.safe_join(root, entry.file)
+    problem = checksum_problem(safe_files.safe_join(root, entry.file), name, entry)
+    return [problem] if problem else []
+
+
+def checksum_problem(path: str, name: str, entry: TensorEntry):
+    """What is wrong with the checksums the manifest records for a tensor file; None: nothing."""
     size, block, sums = entry.file_size, entry.block_bytes, entry.checksums
     base = len(file_layout(entry).header)
     if not (isinstance(block, int) and block > 0 and isinstance(sums, tuple)
             and len(sums) == math.ceil((size - base) / block) and all(isinstance(s, str) for s in sums)):
-        return [f"{path}: manifest records bad checksums for {name!r} "
-                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, tuple) else sums!r} sums)"]
-    return []
+        return (f"{path}: manifest records bad checksums for {name!r} "
+                f"(block_bytes {block!r}, {len(sums) if isinstance(sums, tuple) else sums!r} sums)")
+    return None
 
 
 def verify_tensor(root: str, name: str, entry: TensorEntry) -> list:

@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional
 from megatron_ucp.errors import FormatError, LayoutError
 from megatron_ucp.format.folder import MANIFEST, iteration_of
 from megatron_ucp.format.format_v1 import upgrade_tensors
-from megatron_ucp.format.safe_files import MAX_MANIFEST_BYTES, read_json
+from megatron_ucp.format import storage, stores
+from megatron_ucp.format.safe_files import MAX_MANIFEST_BYTES, parse_json, read_json
 from megatron_ucp.format.tensor_entry import TensorEntry
 
 FORMAT_NAME = "megatron-ucp"
@@ -334,7 +335,11 @@ def read_manifest(directory: str) -> Manifest:
     """The manifest of checkpoint folder `directory`, checked as a whole before anything trusts
     it; a version-1 manifest's tensors under version 2's names."""
     path = os.path.join(directory, MANIFEST)
-    m = read_json(path, "universal checkpoint manifest", MAX_MANIFEST_BYTES, root=directory)
+    what = "universal checkpoint manifest"
+    if storage.is_remote(directory):  # a whole object, bounded as the file is
+        m = parse_json(stores.store_for(directory).read(path, MAX_MANIFEST_BYTES, what), path, what)
+    else:
+        m = read_json(path, what, MAX_MANIFEST_BYTES, root=directory)
     return parse_manifest(m, path, directory)
 
 

@@ -258,6 +258,18 @@ def read_runs(path, layout: TensorFileLayout, name: str, runs, out: np.ndarray,
     return total
 
 
+def read_groups(layout: TensorFileLayout, name: str, runs, out: np.ndarray, where: str) -> list:
+    """The reads read_runs makes, for readers of other storage (an object store's ranged
+    GETs): `out` checked, then [(file byte start, [(out byte start, bytes)])], each group
+    contiguous in the file."""
+    _check_array(out, layout, name, where)
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise LayoutError(f"{where}: output array must be C-contiguous and writeable")
+    isz, base = layout.itemsize(name), layout.data_offset(name)
+    return [(base + fstart * isz, [(bs * isz, ln * isz) for bs, ln in parts])
+            for fstart, parts in _plan(runs, 0, layout.numel(name), out.size, False, where)]
+
+
 def create_tensor_file(path, layout: TensorFileLayout) -> None:
     """Write the header, extend the file to full size and reserve its blocks where the file
     system can, so writers can then write in any order, and a full disk fails here, before

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_ucp.engine.local_tier import tolerating_save_failure
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError
+from megatron_ucp.format import storage, stores
 from megatron_ucp.format.folder import TRACKER, iteration_dir, read_tracker, write_tracker
 from megatron_ucp.mcore import saved_args
 from megatron_ucp.mcore.flag_validation import keeps_saved_padding
@@ -22,6 +23,10 @@ def claim_save_folder(args) -> None:
     from megatron_ucp.engine import ownership
     from megatron_ucp.engine.collective import run_everywhere
 
+    if storage.is_remote(args.save):  # conditional writes in place of the flock
+        from megatron_ucp.engine import store_owner
+        run_everywhere(lambda: store_owner.claim(args.save) if dist.get_rank() == 0 else None)
+        return
     run_everywhere(lambda: ownership.claim(args.save) if dist.get_rank() == 0 else None)
 
 
@@ -30,7 +35,10 @@ def release_save_folder(args) -> None:
     from megatron_ucp.engine import ownership
 
     dist.barrier()  # every rank is done with the folder
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and storage.is_remote(args.save):
+        from megatron_ucp.engine import store_owner
+        store_owner.release(args.save)
+    elif dist.get_rank() == 0:
         ownership.release(args.save)
 
 
@@ -168,7 +176,7 @@ def prepare_load(args) -> None:
 
 def _has_checkpoint(args) -> bool:
     """A tracker (or --ckpt-step) names a checkpoint; whether it is sound is load's to say."""
-    return args.ckpt_step is not None or os.path.lexists(os.path.join(args.load, TRACKER))
+    return args.ckpt_step is not None or stores.exists(os.path.join(args.load, TRACKER))
 
 
 def _saved_args(args) -> tuple:
@@ -299,4 +307,4 @@ def check_format(directory: str, wanted: str) -> None:
 
 
 def _is_universal(directory: str) -> bool:
-    return os.path.lexists(os.path.join(directory, "ucp.json"))
+    return stores.exists(os.path.join(directory, "ucp.json"))
