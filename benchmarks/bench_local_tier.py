@@ -137,7 +137,9 @@ def measure(a, hidden: int, layers: int) -> dict:
     try:
         out = run(a.nproc, model + same + tier
                   + ["--train-iters", "8", "--save", str(ckpt), "--save-interval", "4"], work)
-        stalls = seconds(r"local save at iteration +\d+ started \(([\d.]+) s stall\)", out)
+        stalls = seconds(r"local save at iteration +\d+ started \(([\d.]+) s stall", out)
+        probes = seconds(r"local save at iteration +\d+ started \([\d.]+ s stall: probe ([\d.]+) s", out)
+        copies = seconds(r"local save at iteration +\d+ started \([\d.]+ s stall: probe [\d.]+ s, copy ([\d.]+) s", out)
         saves = seconds(r"saved checkpoint at iteration +\d+ to .* in ([\d.]+) s", out)
         for _ in range(a.rounds):  # alternating, so that a busy spell of the machine hits both
             for name, (layout, lost) in layouts.items():
@@ -163,12 +165,16 @@ def measure(a, hidden: int, layers: int) -> dict:
           f"{a.nproc} processes on 2 pretended nodes; a memcpy of it: {floor:.3f} s, of one rank's share: {share:.3f} s")
     # The first local save allocates its buffers; the later ones reuse them (the steady state).
     steady = stalls[1:] or stalls
+    r["stall_probe_s"], r["stall_copy_s"] = probes, copies
     r["stall_ratio"] = statistics.median(saves) / statistics.median(steady)
     r["stall_over_copy"] = statistics.median(steady) / share
     print(f"training stall  local save {statistics.median(steady):.3f} s (median of {len(steady)} after the first, "
           f"{stalls[0]:.3f} s) | in-memory copy of a rank's share {share:.3f} s | local / copy = "
           f"{r['stall_over_copy']:.1f}x | persistent save {statistics.median(saves):.3f} s (median of {len(saves)}) | "
           f"persistent / local = {r['stall_ratio']:.1f}x")
+    if probes and copies:  # where the stall goes (after the first save)
+        print(f"  the local stall: the resume proof's probe (a forward pass) {statistics.median(probes[1:] or probes):.3f} s, "
+              f"the copy into the reused buffers {statistics.median(copies[1:] or copies):.3f} s, the rest planning")
     for name in layouts:
         local_s = seconds(r"resumed iteration 6 in ([\d.]+) s", local_out[name])
         persistent_s = seconds(r"resumed iteration 4 in ([\d.]+) s",

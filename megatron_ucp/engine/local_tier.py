@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -120,6 +121,7 @@ class LocalTier:
         self.restored = None  # the local iteration this run restored (for --local-ckpt-check-loss)
         self.padded_vocab = None  # the model's padded vocabulary, recorded in each COMPLETE marker
         self.staging = {}  # the last snapshot's buffers, reused by the next (the write is done then)
+        self.stall_parts = {}  # the last save's stall: seconds of the proof's probe, of the copy
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -132,9 +134,12 @@ class LocalTier:
         states = STATES if optimizer is not None else ("param",)
         tensors = local_tensors(state.model, optimizer, args.vocab_size)
         plan, sources, entries, part_shapes, _ = _plan(tensors, states, optimizer is not None, merge=False)
+        start = time.perf_counter()
         probed = proof.record_probe(state.model, args.vocab_size)
         dtypes = proof.source_dtypes(data for _, data in sources.values())
+        copied = time.perf_counter()
         snapshot = _snapshot(plan.items, sources, states, copy=True, staging=self.staging)
+        self.stall_parts = {"probe": copied - start, "copy": time.perf_counter() - copied}
         self.staging = {(key, s): chunk for key, by_state in snapshot.items() for s, chunk in by_state.items()}
         rank = dist.get_rank()
         meta = {"iteration": iteration, "rank": rank, "world": dist.get_world_size(), "job": self.job,

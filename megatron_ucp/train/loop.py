@@ -191,7 +191,9 @@ def _timed_local_save(args, state, tier, iteration, consumed, monitor) -> None:
     stall = time.perf_counter() - start
     monitor.scalars(iteration, {"local-save-stall-seconds": stall})
     if dist.get_rank() == 0:
-        print(f" local save at iteration {iteration:8d} started ({stall:.3f} s stall)", flush=True)
+        parts = ", ".join(f"{k} {v:.3f} s" for k, v in tier.stall_parts.items())
+        print(f" local save at iteration {iteration:8d} started ({stall:.3f} s stall{': ' + parts if parts else ''})",
+              flush=True)
 
 
 def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm, extra=None) -> None:
