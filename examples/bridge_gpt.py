@@ -27,6 +27,7 @@ def parse():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--save-interval", type=int, default=4)
+    p.add_argument("--exit-interval", type=int, help="save and stop at this iteration (of the same schedule)")
     p.add_argument("--save")
     p.add_argument("--load")
     p.add_argument("--ckpt-step", type=int, help="the iteration to load (default: the tracker's)")
@@ -61,7 +62,7 @@ def config(a):
     distributed = not a.no_distributed_optimizer
     return ConfigContainer(
         model=model,
-        train=TrainingConfig(train_iters=a.iters, micro_batch_size=2, global_batch_size=8, eval_interval=1000,
+        train=TrainingConfig(train_iters=a.iters, exit_interval=a.exit_interval, micro_batch_size=2, global_batch_size=8, eval_interval=1000,
                              eval_iters=0),
         optimizer=OptimizerConfig(optimizer="adam", lr=5e-3, min_lr=5e-3, weight_decay=0.01, bf16=False,
                                   fp16=False, use_distributed_optimizer=distributed, clip_grad=1.0),

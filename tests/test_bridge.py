@@ -139,9 +139,9 @@ def test_tp1dp2_resumes_on_tp2(python, reference, tmp_path):
 
 @pytest.mark.slow  # one more Bridge run (~40 s): CI runs the TP1xDP2 -> TP2 direction above
 def test_tp2_resumes_on_tp1dp2(python, reference, tmp_path):
-    """TP2 x DP1 saved at 6 (itself resumed from the reference's 4), resumed on TP1 x DP2 with
+    """TP2 x DP1 saved at 6 (stopped there by exit_interval; itself resumed from the reference's 4), resumed on TP1 x DP2 with
     the distributed optimizer: iterations 7-8 as the uninterrupted run's."""
-    tp2 = bridge_run(python, tmp_path / "tp2", "--tp", 2, "--iters", 6, "--load", reference.workdir / "ckpt",
+    tp2 = bridge_run(python, tmp_path / "tp2", "--tp", 2, "--iters", 8, "--exit-interval", 6, "--load", reference.workdir / "ckpt",
                      "--ckpt-step", 4, "--save", tmp_path / "tp2" / "ckpt")
     back = bridge_run(python, tmp_path / "back", "--tp", 1, "--iters", 8, "--load", tmp_path / "tp2" / "ckpt")
     assert_resumed(reference, tp2, range(5, 7))
@@ -160,7 +160,9 @@ def test_torch_dist_checkpoint_continues_as_universal(python, reference, tmp_pat
     """Bridge's own torch_dist checkpoint (the default manager) at 4: the universal manager loads it
     through Bridge's default manager and its next save is universal, itself resumable."""
     ckpt = tmp_path / "ckpt"
-    bridge_run(python, tmp_path / "torch_dist", "--tp", 1, "--iters", 4, "--save", ckpt, "--format", "torch_dist")
+    first = bridge_run(python, tmp_path / "torch_dist", "--tp", 1, "--iters", 8, "--exit-interval", 4, "--save", ckpt,
+                       "--format", "torch_dist")
+    assert_resumed(reference, first, range(1, 5))
     assert not (ckpt / "iter_0000004" / "ucp.json").exists()
     continued = bridge_run(python, tmp_path / "continued", "--tp", 1, "--iters", 8, "--load", ckpt, "--save", ckpt)
     assert_resumed(reference, continued, range(5, 9))
