@@ -49,8 +49,9 @@ def config(a):
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
     model = GPTModelProvider(
-        num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, seq_length=16,
-        vocab_size=250, make_vocab_size_divisible_by=32, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=4, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, seq_length=16,
+        vocab_size=None, make_vocab_size_divisible_by=32,  # the tokenizer's, padded as Megatron-LM pads
+        hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         expert_model_parallel_size=a.ep, num_moe_experts=a.num_experts,
         moe_router_topk=2 if a.num_experts else 2, moe_ffn_hidden_size=32 if a.num_experts else None,
@@ -64,7 +65,7 @@ def config(a):
         model=model,
         train=TrainingConfig(train_iters=a.iters, exit_interval=a.exit_interval, micro_batch_size=2, global_batch_size=8, eval_interval=1000,
                              eval_iters=0),
-        optimizer=OptimizerConfig(optimizer="adam", lr=5e-3, min_lr=5e-3, weight_decay=0.01, bf16=False,
+        optimizer=OptimizerConfig(optimizer="adam", lr=5e-3, min_lr=0.0, weight_decay=0.01, bf16=False,
                                   fp16=False, use_distributed_optimizer=distributed, clip_grad=1.0),
         scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,
                                   end_weight_decay=0.01, weight_decay_incr_style="constant"),
@@ -77,7 +78,7 @@ def config(a):
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=250),
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, ckpt_step=a.ckpt_step, save_interval=a.save_interval if a.save else None, ckpt_format="torch_dist",
-            async_save=a.async_save,
+            async_save=a.async_save, async_strategy="mcore",  # nvrx: nvidia-resiliency-ext
             custom_manager_class=MANAGER if a.format == "universal" else None),
         rng=RNGConfig(seed=7),
     )

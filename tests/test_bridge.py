@@ -7,6 +7,9 @@ Bridge runs on megatron-core 0.19 (the interpreter mlm_harness.trainer_python fi
 megatron-bridge 0.6.2 from REPO/.bridge-libs (`bash run.sh setup-bridge`; UCP_BRIDGE_LIBS names
 another folder). Without it the tests skip; with UCP_REQUIRE_BRIDGE=1 (CI) they fail instead.
 
+The example's GPT is tests/mlm_harness.BASE's (same model, padding, data, optimizer): Megatron-LM's
+trainer and Bridge compute the same losses, so checkpoints move between them with equal losses.
+
 CI time: one reference run (TP1 x DP2, distributed optimizer, 8 iterations, universal saves at
 4 and 8) is shared by the module; by default only its resume on TP2 x DP1 runs beside it (about
 a minute on an idle 2-core machine). The other directions and Bridge's torch_dist continuation
@@ -168,3 +171,37 @@ def test_torch_dist_checkpoint_continues_as_universal(python, reference, tmp_pat
     assert_resumed(reference, continued, range(5, 9))
     assert (ckpt / "iter_0000008" / "ucp.json").exists()
     assert train_state(ckpt / "iter_0000008")["step"] == 8
+
+
+@pytest.mark.slow  # two more Bridge runs (~90 s)
+def test_async_save_commits_and_resumes(python, reference, tmp_path):
+    """checkpoint.async_save: the universal saves are written in the background and committed where
+    Bridge finalizes its own (finalize_async_saves); the committed checkpoint resumes on TP2."""
+    ckpt = tmp_path / "ckpt"
+    first = bridge_run(python, tmp_path / "async", "--tp", 1, "--iters", 8, "--exit-interval", 6,
+                       "--save-interval", 2, "--async-save", "--save", ckpt)
+    assert_resumed(reference, first, range(1, 7))
+    for step in (2, 4, 6):
+        assert (ckpt / f"iter_{step:07d}" / "ucp.json").exists() and train_state(ckpt / f"iter_{step:07d}")["step"] == step
+    resumed = bridge_run(python, tmp_path / "resumed", "--tp", 2, "--iters", 8, "--load", ckpt)
+    assert_resumed(reference, resumed, range(7, 9))
+
+
+@pytest.mark.slow  # one Megatron-LM run and two Bridge runs (~2 min)
+def test_megatron_lm_checkpoint_resumes_in_bridge_and_back(python, reference, tmp_path):
+    """A universal checkpoint of Megatron-LM's trainer (the plug-in, TP1 x DP2, distributed
+    optimizer, the same tiny GPT: tests/mlm_harness.BASE) resumes in Bridge on TP2, whose universal
+    checkpoint resumes in Megatron-LM's trainer on TP1 x DP2: every iteration as Bridge's
+    uninterrupted run (the two trainers compute the same losses for the same model and data)."""
+    from mlm_harness import run as mlm_run
+
+    mlm_ckpt, bridge_ckpt = tmp_path / "mlm_ckpt", tmp_path / "bridge_ckpt"
+    common = ["--use-distributed-optimizer", "--ckpt-format", "universal", "--save-interval", "4"]
+    first = mlm_run(python, tmp_path / "mlm", 2, common + ["--save", str(mlm_ckpt), "--exit-interval", "4"], 8).check()
+    assert_resumed(reference, first, range(1, 5))
+    in_bridge = bridge_run(python, tmp_path / "bridge", "--tp", 2, "--iters", 8, "--exit-interval", 6,
+                           "--load", mlm_ckpt, "--save", bridge_ckpt)
+    assert_resumed(reference, in_bridge, range(5, 7))
+    assert in_bridge.consumed()[5] == 40, in_bridge.consumed()
+    back = mlm_run(python, tmp_path / "mlm_back", 2, common + ["--load", str(bridge_ckpt)], 8).check()
+    assert_resumed(reference, back, range(7, 9))

@@ -20,6 +20,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from megatron_ucp.engine.collective import run_everywhere
 from megatron_ucp.format.folder import MANIFEST, iteration_dir
 from megatron_ucp.megatron_lm.checkpoint import universal_target
 
@@ -129,8 +130,6 @@ class UniversalCheckpointManager:
 
     def load(self, ctx):
         state, cfg = ctx.state, self.checkpoint_config
-        from megatron_ucp.engine.collective import run_everywhere
-
         target = run_everywhere(designated, cfg.load, cfg.ckpt_step)
         finetune = bool(cfg.finetune)
         if target is None and cfg.pretrained_checkpoint and not run_everywhere(
@@ -161,6 +160,7 @@ class UniversalCheckpointManager:
             reseed=lambda it: _reseed(state, ctx, it))
         if not load_optim and ctx.optimizer is not None:
             _main_params_from_model(state, ctx.model, ctx.optimizer)
+        _warn_other_padding(ctx.model, result.manifest.layout.get("padded_vocab_size"))
         return _resume_from(state, result, load_dir, finetune)
 
     def __repr__(self):
@@ -211,6 +211,19 @@ def _reseed(state, ctx, iteration: int) -> None:
                                 rng.inference_rng_tracker,
                                 use_cudagraphable_rng=getattr(state.cfg.model, "cuda_graph_impl", "none") != "none",
                                 pg_collection=pg_collection)
+
+
+def _warn_other_padding(model, saved) -> None:
+    """Bridge builds the model before any manager runs, so it cannot take the checkpoint's padded
+    vocabulary as Megatron-LM's plug-in does (checkpoint.adopt_padded_vocab): one line when they
+    differ, naming the setting (padding rows take part in the softmax: another loss)."""
+    from megatron_ucp.mcore.model_map import padded_vocab
+
+    built = run_everywhere(padded_vocab, model)
+    if saved and built and saved != built:
+        _print(f" WARNING: the checkpoint's padded vocabulary has {saved} rows, this model {built}: padding "
+               "rows take part in the softmax, so the loss changes (set model.make_vocab_size_divisible_by, "
+               "and model.vocab_size to None for the tokenizer's vocabulary padded, to build the same)")
 
 
 def _main_params_from_model(state, model, optimizer) -> None:
