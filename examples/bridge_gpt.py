@@ -36,6 +36,7 @@ def parse():
     p.add_argument("--num-experts", type=int, default=None)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=32)
     p.add_argument("--loss-log")
     return p.parse_args()
 
@@ -50,7 +51,7 @@ def config(a):
 
     model = GPTModelProvider(
         num_layers=4, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, seq_length=16,
-        vocab_size=None, make_vocab_size_divisible_by=32,  # the tokenizer's, padded as Megatron-LM pads
+        vocab_size=None, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,  # the tokenizer's, padded as Megatron-LM pads
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         expert_model_parallel_size=a.ep, num_moe_experts=a.num_experts,

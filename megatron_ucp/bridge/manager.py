@@ -86,17 +86,19 @@ class UniversalCheckpointManager:
             consumed_samples=train_state.consumed_train_samples,
             keep_last=cfg.most_recent_k if cfg.most_recent_k and cfg.most_recent_k > 0 else None,
             async_save=bool(cfg.async_save), save_rng=cfg.save_rng, progress=_progress(train_state, flops))
-        pending = (result, state, step, flops, callback_manager, ctx.model, ctx.optimizer)
+        # Bridge's train state as of this save: an async save commits iterations later
+        snapshot = {k: v.clone() for k, v in train_state.state_dict().items()}
+        pending = (result, state, step, snapshot, flops, callback_manager, ctx.model, ctx.optimizer)
         if cfg.async_save:
             self._pending = pending
         else:
             self._committed(*pending[1:])
         fault_tolerance.on_checkpointing_end(is_async_finalization=False, global_state=state)
 
-    def _committed(self, state, step, flops, callback_manager, model, optimizer) -> None:
+    def _committed(self, state, step, train_state, flops, callback_manager, model, optimizer) -> None:
         """After the commit: Bridge's side files (rank 0), a barrier, its save callback."""
         if dist.get_rank() == 0:
-            write_side_files(state, self.checkpoint_config.save, step, flops)
+            write_side_files(state, self.checkpoint_config.save, step, train_state, flops)
         dist.barrier()
         _print(f"  successfully saved universal checkpoint from iteration {step:7d} to "
                f"{self.checkpoint_config.save}")
@@ -180,14 +182,15 @@ def _progress(train_state, flops) -> dict:
             "consumed_valid_samples": int(train_state.consumed_valid_samples)}
 
 
-def write_side_files(state, save_dir, step, flops) -> None:
+def write_side_files(state, save_dir, step, train_state: dict, flops) -> None:
     """Bridge's files beside a committed checkpoint (checkpointing.py:1432-1474): its train state
-    in the iteration folder and as `latest_train_state.pt` (the tracker Bridge reads first, so
-    Bridge's tools and a later default manager see this step), the run's config, the tokenizer."""
+    as of the save (`train_state`: TrainState.state_dict() then) in the iteration folder and as
+    `latest_train_state.pt` (the tracker Bridge reads first, so Bridge's tools and a later default
+    manager see this step), the run's config, the tokenizer."""
     checkpointing = _bridge("training.checkpointing")
     utils = _bridge("training.utils.checkpoint_utils")
     folder = iteration_dir(save_dir, step)
-    train_state = state.train_state.state_dict()
+    train_state = dict(train_state)
     train_state["floating_point_operations_so_far"] = torch.tensor(flops, dtype=torch.float32)
     local = utils.get_checkpoint_train_state_filename(folder)
     torch.save(train_state, local)
