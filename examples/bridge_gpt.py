@@ -56,7 +56,7 @@ def config(a):
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
         expert_model_parallel_size=a.ep, num_moe_experts=a.num_experts,
         moe_router_topk=2 if a.num_experts else 2, moe_ffn_hidden_size=32 if a.num_experts else None,
-        moe_grouped_gemm=False, transformer_layer_spec=local_layer_spec, bf16=False, fp16=False,
+        moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall", transformer_layer_spec=local_layer_spec, bf16=False, fp16=False,
         params_dtype=__import__("torch").float32, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, cross_entropy_loss_fusion=False,

@@ -205,3 +205,14 @@ def test_megatron_lm_checkpoint_resumes_in_bridge_and_back(python, reference, tm
     assert in_bridge.consumed()[5] == 40, in_bridge.consumed()
     back = mlm_run(python, tmp_path / "mlm_back", 2, common + ["--load", str(bridge_ckpt)], 8).check()
     assert_resumed(reference, back, range(7, 9))
+
+
+@pytest.mark.slow  # two more Bridge runs (~80 s)
+def test_moe_resumes_from_ep2_on_ep1(python, tmp_path):
+    """A mixture of experts (4 experts with biases, alltoall dispatcher) saved on EP2 x DP2
+    resumes on EP1 x DP2 (each rank holding all experts): iterations 5-8 as the uninterrupted run's."""
+    moe = ("--num-experts", 4)
+    reference = bridge_run(python, tmp_path / "ep2", "--ep", 2, *moe, "--iters", 8, "--save", tmp_path / "ckpt")
+    resumed = bridge_run(python, tmp_path / "ep1", "--ep", 1, *moe, "--iters", 8, "--load", tmp_path / "ckpt",
+                         "--ckpt-step", 4)
+    assert_resumed(reference, resumed, range(5, 9))

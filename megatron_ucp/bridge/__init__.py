@@ -44,13 +44,16 @@ def install(cpu: bool = False) -> None:
 
 
 def _bridge_fixes() -> None:
-    """megatron-core's trainer bugs (megatron_lm/trainer_fixes.py) where Bridge meets them: its
+    """megatron-core's release fixes (mcore/compat.py) and trainer bugs (megatron_lm/trainer_fixes.py)
+    where Bridge meets them: its
     initialize.py:28 holds compile_helpers by name (and 147 runs `make` in a wheel that ships the
     helpers compiled and no Makefile)."""
     import importlib
 
+    from megatron_ucp.mcore import compat
     from megatron_ucp.megatron_lm import trainer_fixes
 
+    compat.apply()  # megatron-core's release fixes, as Megatron-LM's plug-in applies them (experts' biases, ...)
     trainer_fixes.apply()
     utils = importlib.import_module("megatron.core.datasets.utils")
     importlib.import_module("megatron.bridge.training.initialize").compile_helpers = utils.compile_helpers
