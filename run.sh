@@ -4,6 +4,7 @@
 #   bash run.sh test    # the default test suite (what CI runs)
 #   bash run.sh setup   # only make (or update) the virtual environment
 #   bash run.sh gpu-check   # on a GPU machine: TE spec, FusedAdam, bf16/fp16, NCCL (megatron-ucp gpu-check)
+#   bash run.sh setup-bridge   # the 0.19 venv, then Megatron-Bridge into .bridge-libs (README, "Megatron-Bridge")
 # The megatron-core release is chosen by UCP_CORE:
 #   0.16 (default): Python 3.11 (python3), torch 2.13.0 CPU, megatron-core 0.16.1, venv .venv
 #   0.19:           Python 3.12, torch 2.14.1, megatron-core 0.19.2, venv .venv-core019
@@ -34,6 +35,9 @@ find_python() {
     return 1
 }
 
+if [ "${1:-}" = setup-bridge ]; then
+    export UCP_CORE=0.19  # megatron-bridge 0.6.2 pairs with megatron-core 0.19.x
+fi
 core="${UCP_CORE:-0.16}"
 case "$core" in
     0.16) venv="${UCP_VENV:-.venv}"; want=3.11; other=.venv-core019
@@ -64,9 +68,38 @@ DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q --disable-pip-version-check 
 if [ -z "${UCP_OTHER_PYTHON:-}" ] && [ -x "$other/bin/python" ]; then
     export UCP_OTHER_PYTHON="$PWD/$other/bin/python"
 fi
+# Megatron-Bridge beside the 0.19 venv, not in it: `pip install megatron-bridge` fails from the
+# registry (fast-hadamard-transform is source-only, megatron-core[dev] pins an absent
+# nvidia-resiliency-ext), so its import-time dependencies are resolved against the venv (torch
+# and megatron-core pinned: nothing replaces them) and installed with megatron-bridge, without
+# dependencies, into .bridge-libs, which only Bridge runs put on PYTHONPATH
+# (megatron_ucp/bridge/env.py; transformer-engine and nvidia-resiliency-ext are stubbed there).
+setup_bridge() {
+    local target="${UCP_BRIDGE_LIBS:-$PWD/.bridge-libs}" report
+    [ "$core" = 0.19 ] || { echo "run.sh: Megatron-Bridge needs UCP_CORE=0.19" >&2; return 2; }
+    report="$(mktemp)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+        --no-deps --report "$report" "megatron-bridge==0.6.2" >/dev/null
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run --report "$report.deps" \
+        "${pins[@]}" "omegaconf>=2.3" "hydra-core>=1.3.4,<1.4" datasets megatron-energon nvidia-modelopt \
+        requests >/dev/null
+    "$venv/bin/python" - "$report" "$report.deps" > "$report.txt" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    for item in json.load(open(path))["install"]:
+        meta = item["metadata"]
+        if meta["name"].lower() not in ("torch", "megatron-core"):
+            print(f"{meta['name']}=={meta['version']}")
+PY
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --upgrade \
+        --target "$target" -r "$report.txt"
+    rm -f "$report" "$report.deps" "$report.txt"
+    echo "Megatron-Bridge installed into $target"
+}
 case "${1:-}" in
     setup) ;;
+    setup-bridge) setup_bridge ;;
     demo) shift; exec "$venv/bin/python" examples/cpu_demo.py "$@" ;;
     test) shift; exec "$venv/bin/python" -m pytest -q "$@" ;;
-    *) echo "usage: [UCP_CORE=0.16|0.19] bash run.sh setup|demo|test|gpu-check [args...]" >&2; exit 2 ;;
+    *) echo "usage: [UCP_CORE=0.16|0.19] bash run.sh setup|setup-bridge|demo|test|gpu-check [args...]" >&2; exit 2 ;;
 esac

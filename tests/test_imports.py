@@ -26,6 +26,8 @@ LAYERS = [
     ("converters", {"convert", "convert.*"}),
     ("training application", {"train", "train.*"}),
     ("Megatron-LM trainer plug-in", {"megatron_lm", "megatron_lm.*"}),  # beside train/, not on it
+    # Megatron-Bridge's checkpoint manager: the plug-in's engine calls and CPU mode, reused
+    ("Megatron-Bridge checkpoint manager", {"bridge", "bridge.*"}),
     # the `megatron-ucp` command, and the training entry point, which chooses the trainer (the
     # own loop on megatron-core 0.16, Megatron-LM's with the plug-in on later releases)
     ("commands", {"cli", "__main__", "commands", "commands.*", "train.__main__"}),
