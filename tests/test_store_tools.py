@@ -91,3 +91,19 @@ def test_inspect_prove_reads_a_checkpoint_in_the_store(stored, tmp_path, capsys)
     assert main([f"s3://{BUCKET}/proved", "--verify", "--prove"]) == 0
     out = capsys.readouterr().out
     assert "resume proof" in out and "OK" in out, out
+
+
+@pytest.mark.parametrize("argv", [
+    ["convert", "--input", "/ckpt", "--output", "s3://b/out"],
+    ["convert", "--input=msc://p/ckpt", "--output", "out"],
+    ["import-hf", "hf", "s3://b/out"],
+    ["export-torch-dist", "s3://b/ckpt", "out", "--", "--tensor-model-parallel-size", "2"],
+])
+def test_a_store_path_to_a_folder_only_command_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    from megatron_ucp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "reads and writes folders, not object stores yet" in err and "\n" not in err, err
+    assert not list(tmp_path.iterdir()), "a URL was taken for a local folder"
