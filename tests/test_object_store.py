@@ -248,6 +248,26 @@ def test_msc_store_reads_writes_lists_and_names_a_missing_object(endpoint, tmp_p
         store.read_ranges(path, [(0, 1)])
 
 
+def test_msc_owner_record_is_read_back_at_the_next_save(endpoint):
+    """The owner record on msc://: a second claim (the job's next save) reads the record back,
+    with its age from the client's metadata (was os.path.getmtime of the URL: FileNotFoundError
+    at the second save of every msc:// job); a fresh record of another job is refused."""
+    from megatron_ucp.engine import ownership, store_owner
+    from megatron_ucp.errors import SaveError
+    from megatron_ucp.format import stores
+
+    prefix = f"msc://{MSC_PROFILE}/owned"
+    store_owner.claim(prefix)
+    store_owner.claim(prefix)  # the next save
+    record, _, age = stores.store_for(prefix).read_meta(f"{prefix}/{ownership.OWNER}", 1 << 16)
+    assert json.loads(record)["pid"] == ownership.me()["pid"] and 0 <= age < 600
+    other = dict(ownership.me(), job="another-job", host="elsewhere")  # fresh: not stale for an hour
+    stores.store_for(prefix).write(f"{prefix}/{ownership.OWNER}", json.dumps(other).encode())
+    with pytest.raises(SaveError, match="being written by another job .another-job"):
+        store_owner.claim(prefix)
+    stores.store_for(prefix).delete([f"{prefix}/{ownership.OWNER}"])
+
+
 def test_a_missing_client_package_is_one_line(monkeypatch):
     """The package runs without the s3 extra; an s3:// path then names what to install."""
     import sys

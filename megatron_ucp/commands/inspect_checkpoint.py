@@ -31,8 +31,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.prove and not args.verify:
         p.error("--prove goes with --verify")
-    if args.prove and is_remote(args.checkpoint):
-        p.error("--prove loads checkpoints on disk: copy it there first (aws s3 sync, msc sync)")
     try:
         desc = describe(args.checkpoint)
         start = time.perf_counter()
@@ -61,7 +59,8 @@ def _prove(desc: dict) -> list:
     """[] when the resume proof holds in one process, else its line; the line is printed."""
     from megatron_ucp.convert import prove
 
-    root = os.path.dirname(os.path.normpath(desc["path"]))
+    path = desc["path"]  # an iter_ folder; in a store a URL, which normpath would cut ("s3:/")
+    root = path.rstrip("/").rsplit("/", 1)[0] if is_remote(path) else os.path.dirname(os.path.normpath(path))
     result = prove.check(root, desc["iteration"])
     desc["proof_check"] = result["line"]
     if result.get("ok") and desc["proof"] is None:

@@ -22,7 +22,7 @@ from megatron_ucp.convert import hf_config, hf_map, output_folder
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.engine.ownership import process_start
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError
-from megatron_ucp.format import durability, manifest as mf, safe_files, tensor_io
+from megatron_ucp.format import durability, manifest as mf, safe_files, storage, tensor_io
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
 from megatron_ucp.mcore import saved_args
 from megatron_ucp.mcore.flags import build_parser
@@ -70,11 +70,23 @@ def _to_bytes(array: np.ndarray, dtype: str) -> bytes:
     return np.ascontiguousarray(array, dtype="<f4").tobytes()
 
 
-def read_param(root: str, name: str, entry: TensorEntry, verify: bool = True) -> np.ndarray:
-    """An atomic tensor's fp32 `param` (without vocabulary padding), its checksums verified."""
+def read_param(root: str, name: str, entry: TensorEntry, verify: bool = True, source=None) -> np.ndarray:
+    """An atomic tensor's fp32 `param` (without vocabulary padding), its checksums verified.
+    `source`: an engine/store_source.StoreSource for a checkpoint in an object store (ranged
+    GETs of the object's blocks to verify, then of the param's bytes; nothing on local disk)."""
     from megatron_ucp.errors import IntegrityError
     from megatron_ucp.format import inspection
 
+    if source is not None:
+        from megatron_ucp.format import store_inspection
+
+        problems = (store_inspection.verify_object if verify else store_inspection.check_object)(
+            source.store, root, name, entry)
+        if problems:
+            raise IntegrityError("; ".join(problems))
+        out = np.empty(entry.shape, np.float32)
+        source.read_runs(name, file_layout(entry), "param", [(0, 0, out.size)], out)
+        return out
     if verify:
         problems = inspection.verify_tensor(root, name, entry)
         if problems:
@@ -125,10 +137,18 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
     if not (isinstance(max_shard_bytes, (int, float)) and math.isfinite(max_shard_bytes) and max_shard_bytes >= 1):
         raise ConfigError(f"--max-shard-gb: expected a finite size > 0, got {max_shard_bytes / 1e9!r} GB")
     max_shard_bytes = int(max_shard_bytes)
+    if storage.is_remote(output):
+        raise ConfigError(f"output {output}: export-hf writes a local folder (what from_pretrained reads); "
+                          "give a folder, then copy it to the store (aws s3 sync, msc sync) if wanted")
     output_folder.refuse_inside_checkpoint(output, "output")
     start = time.perf_counter()
     root = iteration_dir(checkpoint, iteration) if iteration is not None else inspection.resolve(checkpoint)
     m = mf.read_manifest(root)
+    source = None
+    if storage.is_remote(root):  # s3://, msc://: read through the store
+        from megatron_ucp.engine.store_source import StoreSource
+
+        source = StoreSource(root)
     args = m.args if isinstance(m.args, dict) else {}
     saved_args.typed(args, HF_ARGS, build_parser(), os.path.join(root, mf.MANIFEST))
     model = hf_map.from_checkpoint(m.architecture, args, m.tensors)
@@ -153,7 +173,7 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
             with open(os.path.join(tmp, fname), "wb") as f:
                 f.write(safetensors_header(entries, st_dtype, itemsize))
                 for p in shard:
-                    tensor = read_param(root, p.megatron, m.tensors[p.megatron], verify)
+                    tensor = read_param(root, p.megatron, m.tensors[p.megatron], verify, source)
                     for piece in p.split(tensor):
                         f.write(_to_bytes(piece, dtype))
                     del tensor

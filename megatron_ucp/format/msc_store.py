@@ -66,6 +66,18 @@ class MscStore(Store):
         except IncompleteCheckpointError:
             return None
 
+    def read_meta(self, path, max_bytes):
+        """The object, its ETag and age from the client's own metadata (Last-Modified)."""
+        import time
+
+        try:
+            info = self._do(path, "looking the object up", self.client.info, self._key(path))
+        except IncompleteCheckpointError:
+            return None
+        data = self.read(path, max_bytes, "object")
+        modified = info.last_modified.timestamp() if info.last_modified is not None else time.time()
+        return data, info.etag, time.time() - modified
+
     def write(self, path, data):
         self._do(path, "writing it", self.client.write, self._key(path), data)
 

@@ -34,6 +34,16 @@ def check_object(store, root: str, name: str, entry) -> list:
     return [problem] if problem else []
 
 
+def verify_object(store, root: str, name: str, entry) -> list:
+    """inspection.verify_tensor for a tensor object: check_object's problems, then every block
+    checksum (ranged GETs of whole blocks)."""
+    problems = check_object(store, root, name, entry)
+    if problems:
+        return problems
+    return _blocks(store, storage.join(root, entry.file), len(file_layout(entry).header), entry.file_size,
+                   entry.checksums, entry.block_bytes)
+
+
 def _blocks(store, path: str, base: int, end: int, sums, block: int) -> list:
     """The first mismatching block's message, from ranged GETs of whole blocks."""
     per_get = max(1, READ_BYTES // block) * block

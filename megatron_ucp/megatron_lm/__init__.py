@@ -10,7 +10,8 @@ megatron-core >= 0.17, or a Megatron-LM clone's beside an earlier wheel).
   (checkpoint flags, `--load-universal`, `--elastic`, `--loss-log`, `--cpu`);
 - `validate_args` (elastic.py): with `--elastic`, the layout is chosen for the world size first;
 - `validate_args` (fsdp_flags.py): a universal FSDP run passes the checks that name megatron's
-  FSDP checkpoint formats;
+  FSDP checkpoint formats; (store_paths.py): an object-store `--save` that megatron's own code
+  would write as a local folder is refused;
 - `train_step` (loss_log.py): with `--loss-log`, one JSON line per iteration;
 - its checkpoint functions (checkpoint.py): `save_checkpoint` writes universal checkpoints when
   `--ckpt-format universal`, `load_checkpoint` loads any universal checkpoint on any layout
@@ -43,7 +44,7 @@ def install(cpu: bool = False) -> None:
             raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")
         return
     from megatron_ucp.megatron_lm import (checkpoint, elastic, flags, fsdp_flags, local_tier, loss_log,
-                                         trainer_fixes)
+                                         store_paths, trainer_fixes)
 
     compat.apply()
     trainer_fixes.apply()
@@ -55,6 +56,7 @@ def install(cpu: bool = False) -> None:
     elastic.install()
     local_tier.install()  # after elastic: its validate_args runs first
     fsdp_flags.install()
+    store_paths.install()
     checkpoint.install()
     loss_log.install()
     _INSTALLED["cpu"] = cpu

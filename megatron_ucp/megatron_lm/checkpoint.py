@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_ucp.engine.collective import run_everywhere
 from megatron_ucp.engine.local_tier import tolerating_save_failure
+from megatron_ucp.format import storage, stores
 from megatron_ucp.format.folder import MANIFEST, TRACKER, iteration_dir, read_tracker
 from megatron_ucp.megatron_lm.flags import UNIVERSAL
 from megatron_ucp.megatron_lm.patching import replace_everywhere
@@ -53,14 +54,14 @@ def universal_target(load_dir, ckpt_step=None):
     if not load_dir:
         return None
     if ckpt_step is None:
-        if not os.path.lexists(os.path.join(load_dir, TRACKER)):
+        if not stores.exists(os.path.join(load_dir, TRACKER)):
             return None
         try:
             ckpt_step = read_tracker(load_dir)
         except Exception:  # 'release', or unreadable: megatron's loader says what it makes of it
             return None
     folder = iteration_dir(load_dir, ckpt_step)
-    return (ckpt_step, folder) if os.path.lexists(os.path.join(folder, MANIFEST)) else None
+    return (ckpt_step, folder) if stores.exists(os.path.join(folder, MANIFEST)) else None
 
 
 def found_format(load_dir, ckpt_step=None):
@@ -74,6 +75,8 @@ def found_format(load_dir, ckpt_step=None):
     except Exception:
         return None
     folder = iteration_dir(load_dir, step)
+    if storage.is_remote(folder):  # megatron's formats in a store: its own loader's (--enable-msc)
+        return None
     return folder_format(folder)[0] if os.path.isdir(folder) else None
 
 
@@ -84,7 +87,7 @@ def require_universal(load_dir, ckpt_step=None) -> None:
     from megatron_ucp.errors import FormatError
     from megatron_ucp.format.folder import designated_format
 
-    if not load_dir or (ckpt_step is None and not os.path.lexists(os.path.join(load_dir, TRACKER))):
+    if not load_dir or (ckpt_step is None and not stores.exists(os.path.join(load_dir, TRACKER))):
         return
     step = ckpt_step if ckpt_step is not None else read_tracker(load_dir)  # 'release': its one line
     folder = iteration_dir(load_dir, step)
@@ -93,6 +96,12 @@ def require_universal(load_dir, ckpt_step=None) -> None:
                       "--load-universal asks for; drop --load-universal to load it in its own format "
                       "(then --ckpt-format universal saves the next one universally), or convert it "
                       "with `megatron-ucp convert`")
+
+
+def megatron_reads(args, path) -> bool:
+    """Megatron-LM's own checkpoint code reaches `path`: a folder, or `msc://` under --enable-msc
+    (its maybe_msc); an `s3://` path, or `msc://` without the flag, only the universal code does."""
+    return not storage.is_remote(path) or (storage.scheme_of(path) == "msc" and bool(getattr(args, "enable_msc", False)))
 
 
 class _Format:
@@ -298,14 +307,14 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
             return restored
     target = run_everywhere(universal_target, load_dir, step)
     pretrained = getattr(args, "pretrained_checkpoint", None)
-    if target is None and pretrained and not os.path.lexists(os.path.join(load_dir or "", TRACKER)):
+    if target is None and pretrained and not stores.exists(os.path.join(load_dir or "", TRACKER)):
         target = run_everywhere(universal_target, pretrained)  # megatron: finetune from it
         if target is not None:
             load_dir, args.finetune = pretrained, True
     if target is not None:
         return _load_universal(ddp_model, optimizer, opt_param_scheduler, load_dir, target[0])
-    if getattr(args, "load_universal", False):
-        run_everywhere(require_universal, load_dir, step)
+    if getattr(args, "load_universal", False) or (storage.is_remote(load_dir) and not megatron_reads(args, load_dir)):
+        run_everywhere(require_universal, load_dir, step)  # a store megatron cannot read: universal or nothing
     fmt = run_everywhere(found_format, load_dir, step)
     if args.ckpt_format == UNIVERSAL and fmt is not None:  # megatron's format: its own loader
         with _Format(args, fmt):
@@ -321,7 +330,7 @@ def _persistent_iteration(load_dir, step) -> int:
     if step is not None:
         return step
     try:
-        return read_tracker(load_dir) if load_dir and os.path.lexists(os.path.join(load_dir, TRACKER)) else -1
+        return read_tracker(load_dir) if load_dir and stores.exists(os.path.join(load_dir, TRACKER)) else -1
     except Exception:  # 'release' or unreadable: megatron's loader says what it makes of it
         return -1
 
