@@ -60,9 +60,11 @@ fi
 # The hf extra (transformers, matplotlib) is for tests/test_hf.py; it does not touch the pinned torch.
 # The deepspeed extra (0.16 only, whose suite runs tests/test_deepspeed.py) without its CUDA ops
 # (DS_BUILD_OPS=0); the fsdp extra (0.19: einops, which Megatron-FSDP imports); its CPU communication op is JIT-built on first use into $venv/torch_extensions.
-# The s3-tests extra: boto3, multi-storage-client and moto[server] (tests/test_object_store.py's
-# loopback S3 endpoint).
-extras=dev,hf,fsdp,s3-tests
+# The s3-tests extra: boto3 and moto[server] (tests/test_object_store.py's loopback S3 endpoint);
+# the msc extra (multi-storage-client) on 0.19 only: megatron-core 0.16 turns its MSC path on by
+# itself wherever the package is importable, and its torch_dist writer processes then failed late
+# in a long process (tests/test_resume_matrix.py); 0.19 uses it only with --enable-msc.
+extras=dev,hf,fsdp,s3-tests,msc
 if [ "$core" = 0.16 ]; then extras=dev,hf,deepspeed,s3-tests; fi
 DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}" -e ".[$extras]"
 if [ -z "${UCP_OTHER_PYTHON:-}" ] && [ -x "$other/bin/python" ]; then

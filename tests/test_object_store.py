@@ -8,6 +8,7 @@ local copy, and loads damaged copies (missing, short, changed object; 503 SlowDo
 """
 
 
+import importlib.util
 import json
 
 import numpy as np
@@ -15,6 +16,10 @@ import pytest
 
 pytest.importorskip("boto3", reason="the s3-tests extra (run.sh setup installs it)")
 pytest.importorskip("moto", reason="the s3-tests extra (run.sh setup installs it)")
+# multi-storage-client (the msc extra) is installed with megatron-core 0.19 only: importing it
+# under 0.16 breaks megatron's torch_dist writer processes late in a long process (run.sh)
+HAVE_MSC = importlib.util.find_spec("multistorageclient") is not None
+needs_msc = pytest.mark.skipif(not HAVE_MSC, reason="multi-storage-client (the msc extra; megatron-core 0.19 venv)")
 
 from harness import BASE, losses, ok, run_steps  # noqa: E402
 from s3_server import s3_endpoint  # noqa: E402
@@ -133,8 +138,8 @@ def second(endpoint, first, tmp_path_factory):
     steps = [
         _train("after_kill", DIST, iters=N + 2, save=A, interval=2, load=A),
         _train("b_disk", DIST, load=str(local), step=K),
-        _train("b_msc", DIST, load=f"msc://{MSC_PROFILE}/A", step=K),  # the same objects, through MSC
-    ] + [{"name": f"e_{kind}", "op": "load_expecting_error",
+    ] + ([_train("b_msc", DIST, load=f"msc://{MSC_PROFILE}/A", step=K)] if HAVE_MSC else []) + [  # through MSC
+        {"name": f"e_{kind}", "op": "load_expecting_error",
           "argv": BASE + DIST + ["--train-iters", str(N), "--load", f"s3://{BUCKET}/F_{kind}", "--load-universal"]}
          for kind in FAULTS]
     results = run_steps(4, steps, work)
@@ -148,7 +153,9 @@ def test_tp2pp2_saved_to_s3_resumes_on_tp1dp4_with_the_same_losses(first, second
     assert sorted(resumed) == list(range(K + 1, N + 1))
     # the state from the store is the state from disk: the same resume from a local copy of the
     # same objects trains the same losses, bitwise
-    assert resumed == losses(second[0], "b_disk") == losses(second[0], "b_msc")
+    assert resumed == losses(second[0], "b_disk")
+    if HAVE_MSC:
+        assert resumed == losses(second[0], "b_msc")
     assert max(abs(reference[i] - resumed[i]) for i in resumed) <= 1e-6  # fp32 (1.2e-7 seen)
 
 
@@ -226,6 +233,7 @@ def test_the_store_retries_what_s3_clients_retry_then_names_the_object(endpoint,
     assert store.head(f"s3://{BUCKET}/u/nothing", 8) is None
 
 
+@needs_msc
 def test_msc_store_reads_writes_lists_and_names_a_missing_object(endpoint, tmp_path):
     """msc://PROFILE/path through the Multi-Storage Client, over the loopback endpoint."""
     from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError
@@ -248,6 +256,7 @@ def test_msc_store_reads_writes_lists_and_names_a_missing_object(endpoint, tmp_p
         store.read_ranges(path, [(0, 1)])
 
 
+@needs_msc
 def test_msc_owner_record_is_read_back_at_the_next_save(endpoint):
     """The owner record on msc://: a second claim (the job's next save) reads the record back,
     with its age from the client's metadata (was os.path.getmtime of the URL: FileNotFoundError

@@ -215,6 +215,18 @@ def _log(args, iteration, consumed, elapsed, lr, loss, grad_norm, extra=None) ->
             f.write(json.dumps(record) + "\n")
 
 
+def _megatron_writes_plain_files() -> None:
+    """megatron-core 0.16 turns its Multi-Storage Client path on by itself wherever the package
+    is installed (msc_utils: `_FeatureFlag(_msc_available)`: dist_checkpointing then writes
+    torch_dist through msc.open); Megatron-LM's trainer turns it on only with --enable-msc, and
+    the own loop gives megatron local folders (object stores go through format/stores.py)."""
+    try:
+        from megatron.core.msc_utils import MultiStorageClientFeature
+    except ImportError:
+        return
+    MultiStorageClientFeature.disable()
+
+
 @contextlib.contextmanager
 def session(argv=None):
     """Parse, initialise parallel state, build model/optimizer/scheduler; tear down at exit.
@@ -233,6 +245,7 @@ def session(argv=None):
 
             cpu_mode.enable()
         compat.apply()
+        _megatron_writes_plain_files()
         init_distributed(args.cpu, args.distributed_timeout_minutes)
         checkpointing.prepare_load(args)
         if args.elastic:
