@@ -8,7 +8,7 @@ aborts them; docs/object_storage.md)."""
 from __future__ import annotations
 
 from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, StorageError
-from megatron_ucp.format.storage import Store, need, split
+from megatron_ucp.format.storage import Store, need, split, whole_object
 
 
 class MscStore(Store):
@@ -38,15 +38,8 @@ class MscStore(Store):
             raise StorageError(f"{path}: {doing} failed: {type(e).__name__}: {message}") from None
 
     def read(self, path, max_bytes, what):
-        size = self.size(path)
-        if size is None:
-            raise IncompleteCheckpointError(f"{path}: {what} is missing from the store")
-        if size > max_bytes:
-            raise IntegrityError(f"{path}: {what} has {size} bytes, more than the {max_bytes} it may have")
-        data = self._do(path, f"reading the {what}", self.client.read, self._key(path))
-        if len(data) != size:
-            raise IntegrityError(f"{path}: {what} changed while it was read ({len(data)} bytes, listed {size})")
-        return data
+        return whole_object(path, self.size(path), max_bytes, what,
+                            lambda: self._do(path, f"reading the {what}", self.client.read, self._key(path)))
 
     def read_ranges(self, path, spans):
         out = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError, StorageError
-from megatron_ucp.format.storage import Store, need, split
+from megatron_ucp.format.storage import Store, need, split, whole_object
 
 
 def _int_env(name: str, default: int) -> int:
@@ -87,15 +87,8 @@ class S3Store(Store):
         raise self._fail(path, last, doing)
 
     def read(self, path, max_bytes, what):
-        size = self.size(path)
-        if size is None:
-            raise IncompleteCheckpointError(f"{path}: {what} is missing from the store")
-        if size > max_bytes:
-            raise IntegrityError(f"{path}: {what} has {size} bytes, more than the {max_bytes} it may have")
-        data, _ = self._get(path, f"reading the {what}")
-        if len(data) != size:
-            raise IntegrityError(f"{path}: {what} changed while it was read ({len(data)} bytes, listed {size})")
-        return data
+        return whole_object(path, self.size(path), max_bytes, what,
+                            lambda: self._get(path, f"reading the {what}")[0])
 
     def read_ranges(self, path, spans):
         """One ranged GET per span; every GET after the first insists on the first one's ETag,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_ucp.errors import ConfigError, FormatError
+from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, IntegrityError
 from megatron_ucp.format import durability, safe_files
 
 SCHEMES = {"s3": "boto3", "msc": "multi-storage-client"}  # scheme -> the package it needs
@@ -56,6 +56,19 @@ def join(root: str, relpath: str, source: str = "manifest") -> str:
         raise FormatError(f"path {relpath!r} in {source} must be relative, without '..', '.', "
                           "empty components, backslashes or NUL bytes")
     return root.rstrip("/") + "/" + relpath
+
+
+def whole_object(path: str, size, max_bytes: int, what: str, fetch) -> bytes:
+    """An object stores read whole: its listed `size` (None: missing) refused past `max_bytes`
+    before `fetch()` gets it, and what came checked against that size."""
+    if size is None:
+        raise IncompleteCheckpointError(f"{path}: {what} is missing from the store")
+    if size > max_bytes:
+        raise IntegrityError(f"{path}: {what} has {size} bytes, more than the {max_bytes} it may have")
+    data = fetch()
+    if len(data) != size:
+        raise IntegrityError(f"{path}: {what} changed while it was read ({len(data)} bytes, listed {size})")
+    return data
 
 
 class Store:
