@@ -485,7 +485,13 @@ def corrupt_copy(step):
     return {}
 
 
-OPS = {"corrupt_copy": corrupt_copy, "restore_both": restore_both, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
+def process_groups(step):
+    """How many process groups this rank's torch still holds (the earlier steps' sessions have
+    ended: the default group alone should be left)."""
+    return {"held": len(dist.distributed_c10d._world.pg_map)}
+
+
+OPS = {"process_groups": process_groups, "corrupt_copy": corrupt_copy, "restore_both": restore_both, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
        "load_expecting_error": load_expecting_error, "save_with_disk_full": save_with_disk_full,
        "grouped": grouped, "logits": logits, "geometry": geometry, "export_torch_dist": export_torch_dist}
 

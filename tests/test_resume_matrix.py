@@ -223,10 +223,13 @@ def w2(work, w4, converted, dist_converted, legacy_converted):
                                           "--dist-ckpt-optim-format", "fully_reshardable"], save=d("MF"),
               interval=K),
         # MoE on TP2 + sequence parallel (expert TP2, EP1), universal and torch_dist (dp_reshardable).
-        train("m_etp2", MOE + DIST + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], save=d("ME"),
-              interval=K),
+        # (Both compared with each other at iteration K only: trained to K.)
+        train("m_etp2", MOE + DIST + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], iters=K,
+              save=d("ME"), interval=K),
         train("m_etp2_native", MOE + DIST + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                             "--ckpt-format", "torch_dist"], save=d("MEN"), interval=K),
+                                             "--ckpt-format", "torch_dist"], iters=K, save=d("MEN"), interval=K),
+        # Every step's session has ended: its process groups with it.
+        {"name": "groups_left", "op": "process_groups"},
         {"name": "c_moe_via_megatron", "op": "convert", "output": d("CMN"),
          "argv": BASE + MOE + DIST + ["--expert-model-parallel-size", "2", "--ckpt-format", "torch_dist",
                                       "--load", d("MN"), "--ckpt-step", str(K)]},
@@ -258,6 +261,13 @@ def test_two_process_layouts_train(w2, name):
 @pytest.mark.parametrize("name", ["a_tp2pp2", "a_pp4", "a_vpp", "g_tp1"])
 def test_four_process_layouts_train(w4, name):
     _falls(losses(w4, name))
+
+
+def test_sessions_leave_no_process_groups_behind(w2):
+    """A session destroys the groups of its layout: a process that builds layout after layout
+    (sessions in a row, this runner) otherwise keeps every earlier layout's gloo threads and
+    connections, and its steps slowed down 2x over 24 layouts."""
+    assert ok(w2, "groups_left")["held"] == 1
 
 
 def test_single_process_trains(w1):

@@ -1,5 +1,6 @@
 """Agreement across ranks: a failure on any rank becomes the same error on every rank."""
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -104,6 +105,33 @@ def all_true(flag: bool, group=None, device=None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
+
+
+@contextlib.contextmanager
+def groups_of_this_scope():
+    """Destroy, on leaving, the process groups created inside (megatron's parallel state).
+
+    megatron's destroy_model_parallel() only forgets its groups; torch keeps each one, with its
+    gloo threads and connections, until the process ends. A process that builds one layout after
+    another (sessions in a row, a test runner) then drags every earlier layout's groups along:
+    measured on CPU, a run's steps were 2.2x slower after 24 earlier layouts. Destroying a
+    subgroup is local to the rank (no collective); the default group stays.
+    """
+    if not dist.is_initialized():
+        yield
+        return
+    before = set(_registered_groups())
+    try:
+        yield
+    finally:
+        for group in _registered_groups():
+            if group not in before and group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+
+
+def _registered_groups() -> list:
+    """Every process group torch holds (torch has no public list of them)."""
+    return list(dist.distributed_c10d._world.pg_map)
 
 
 def close_distributed() -> None:

@@ -20,6 +20,7 @@ from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_
                                                        init_num_microbatches_calculator)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_ucp.engine import collective
 from megatron_ucp.mcore import compat
 from megatron_ucp.mcore.flag_validation import validate
 from megatron_ucp.mcore.flags import build_parser
@@ -247,6 +248,7 @@ def session(argv=None):
         compat.apply()
         _megatron_writes_plain_files()
         init_distributed(args.cpu, args.distributed_timeout_minutes)
+        stack.enter_context(collective.groups_of_this_scope())
         checkpointing.prepare_load(args)
         if args.elastic:
             elastic_layout(args, dist.get_world_size())
