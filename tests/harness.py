@@ -1,4 +1,5 @@
-"""Helpers for the multi-process tests: launch tests/runner.py under torchrun and read results."""
+"""Helpers for the multi-process tests: launch tests/runner.py in a group of workers (tests/launch.py)
+and read results."""
 
 import json
 import os
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,12 +85,10 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
     # verified loads hash inline and combine pieces on every layout (fault tests set it back).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
     for _ in range(3):
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(REPO / "tests" / "runner.py"), str(spec), str(result)]
-        proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True,
-                              timeout=timeout)
-        # free_port's port can be taken by another process before torchrun listens on it; no
+        start = launch.run_forked if os.environ.get("UCP_TEST_FORK", "1") == "1" else launch.run_group
+        proc = start(python, nproc, [str(REPO / "tests" / "runner.py"), str(spec), str(result)],
+                     env, workdir, free_port(), timeout)
+        # free_port's port can be taken by another process before rank 0 listens on it; no
         # worker has started then (none wrote a result), so the group starts again on another port.
         if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or any(workdir.glob("result.json*")):
             break
@@ -97,7 +98,7 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
             if "error" in r and name in results:
                 results[name]["error"] += f"\n[{other.suffix}] {r['error']}\n{r['traceback']}"
     if proc.returncode != 0 and not allow_failure and not any("error" in r for r in results.values()):
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"the group failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return results
 
 

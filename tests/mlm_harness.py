@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import launch
 from harness import REPO, free_port
 from megatron_ucp.megatron_lm import loss_log
 
@@ -93,16 +94,16 @@ def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout
         assert len(hosts) == nproc and not as_script
         entry = [str(REPO / "tests" / "pretend_host.py")] + entry
         env["UCP_TEST_HOSTS"] = ",".join(hosts)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), *entry] + base + extra + [
-        "--train-iters", str(iters), "--loss-log", str(workdir / "loss.jsonl")]
+    argv = entry + base + extra + ["--train-iters", str(iters), "--loss-log", str(workdir / "loss.jsonl")]
     if kill_when is not None:
         from elastic_harness import kill_node
 
         kill_after_iteration = -1
-    if kill_after_iteration is None:
-        proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    if kill_after_iteration is None:  # no signal to forward: the workers without torchrun's agent
+        proc = launch.run_group(python, nproc, argv, env, workdir, free_port(), timeout)
         return Run(proc.returncode, proc.stdout + proc.stderr, workdir)
+    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), *argv]
     log = open(workdir / "trainer.log", "w")  # a file, not a pipe that fills while we poll
     proc = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import launch
 from harness import REPO, free_port
 from megatron_ucp.megatron_lm import loss_log
 
@@ -82,12 +83,10 @@ class Run:
 def bridge_run(python: str, workdir: Path, *args, nproc: int = 2, timeout: int = 600) -> Run:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "loss.jsonl").unlink(missing_ok=True)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(EXAMPLE), "--cpu", "--loss-log", str(workdir / "loss.jsonl"),
-           *map(str, args)]
-    proc = subprocess.run(cmd, env=_env(), cwd=workdir, capture_output=True, text=True, timeout=timeout)
+    argv = [str(EXAMPLE), "--cpu", "--loss-log", str(workdir / "loss.jsonl"), *map(str, args)]
+    proc = launch.run_group(python, nproc, argv, _env(), workdir, free_port(), timeout)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"Bridge run failed ({proc.returncode}): {' '.join(cmd)}\n{output[-8000:]}"
+    assert proc.returncode == 0, f"Bridge run failed ({proc.returncode}): {' '.join(argv)}\n{output[-8000:]}"
     return Run(workdir, output)
 
 

@@ -25,6 +25,7 @@ from hypothesis import given, settings, strategies as st
 pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 
+import launch  # noqa: E402
 from harness import REPO, losses, max_loss_delta, run_steps  # noqa: E402
 from megatron_ucp.convert import deepspeed_map as dsm  # noqa: E402
 from megatron_ucp.convert.deepspeed import import_  # noqa: E402
@@ -65,10 +66,8 @@ def deepspeed_runs(work):
     spec = {"root": str(work), "result": str(work / "ds_result.json"),
             "variants": [dict(RUN, name=n, **v) for n, v in VARIANTS.items()]}
     (work / "ds_spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(REPO / "tests" / "ds_gpt.py"), str(work / "ds_spec.json")],
-                          env=ds_env(), cwd=work, capture_output=True, text=True, timeout=900)
+    proc = launch.run_group(sys.executable, 2, [str(REPO / "tests" / "ds_gpt.py"), str(work / "ds_spec.json")],
+                            ds_env(), work, free_port(), 900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {n: {k: ({int(i): x for i, x in r[k].items()} if k != "universal" else r[k]) for k in r}
             for n, r in json.loads((work / "ds_result.json").read_text()).items()}

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import launch
 from harness import REPO, free_port
 
 ALLTOALL = textwrap.dedent("""
@@ -42,10 +43,8 @@ def _alltoall(tmp_path, mode):
     script, said = tmp_path / "alltoall.py", tmp_path / mode
     script.write_text(ALLTOALL)
     said.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(script), mode, str(said)],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    proc = launch.run_group(sys.executable, 2, [str(script), mode, str(said)],
+                            dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), tmp_path, free_port(), 300)
     return [f.read_text().split(" ", 2) for f in sorted(said.iterdir())], proc
 
 
