@@ -208,3 +208,18 @@ def test_what_a_store_cannot_take_is_one_line(argv, message, tmp_path, monkeypat
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
     assert not list(tmp_path.iterdir()), "a URL was taken for a local folder"
+
+
+def test_export_torch_dist_plans_from_a_checkpoint_in_the_store(stored, tmp_path):
+    """The export's checks read the store (the workers' load: tests/test_store_convert.py, slow)."""
+    from megatron_ucp.convert.export_torch_dist import plan
+    from megatron_ucp.errors import IncompleteCheckpointError
+
+    _, url, _, _ = stored
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    job = plan(url, str(tmp_path / "out"), extra=tp2)
+    assert (job.root, job.iteration, job.nproc) == (url, 0, 2)
+    job = plan(f"{url}/iter_0000000/", str(tmp_path / "out"), extra=tp2)
+    assert (job.root, job.iteration) == (url, 0)
+    with pytest.raises(IncompleteCheckpointError, match=r"llama/iter_0000003: holds no universal checkpoint"):
+        plan(url, str(tmp_path / "out"), iteration=3, extra=tp2)
