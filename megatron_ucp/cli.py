@@ -49,28 +49,6 @@ COMMANDS = {
 }
 
 
-# The commands that read and write checkpoints in an object store (s3://, msc://); the others
-# take folders only (docs/object_storage.md): a URL given to one is refused in one line, never
-# written as a local folder named "s3:".
-STORE_PATHS = {"train", "megatron-lm", "inspect", "export-hf", "gpu-check"}
-
-
-def store_path_refused(command: str, args: list):
-    """The one-line error for an object-store path given to a command that reads folders only."""
-    from megatron_ucp.errors import ConfigError
-    from megatron_ucp.format.storage import is_remote
-
-    if command in STORE_PATHS:
-        return None
-    given = args[:args.index("--")] if "--" in args else args
-    url = next((a.partition("=")[2] if a.startswith("--") else a for a in given
-                if is_remote(a.partition("=")[2] if a.startswith("--") else a)), None)
-    if url is None:
-        return None
-    return ConfigError(f"{url}: {command} reads and writes folders, not object stores yet; copy the checkpoint "
-                       "between the store and a folder (aws s3 sync, msc sync) and give the folder")
-
-
 def usage() -> str:
     lines = [f"usage: {PROG} COMMAND [ARGS...]   (or: python -m megatron_ucp COMMAND ...)",
              f"       {PROG} --help | --version;  {PROG} COMMAND --help: a command's flags", "",
@@ -93,9 +71,6 @@ def main(argv=None) -> int:
         return report(PROG, UCPError(f"unknown command {argv[0]!r}; expected one of: "
                                      f"{', '.join(COMMANDS)} (`{PROG} --help`)"))
     module, function, prog, _, _ = COMMANDS[argv[0]]
-    refused = store_path_refused(argv[0], argv[1:])
-    if refused is not None:
-        return report(prog, refused)
     command = getattr(importlib.import_module(module), function)
     try:
         return command(argv[1:])

@@ -58,6 +58,7 @@ def test_trainer_saves_through_msc_and_resumes_from_s3_on_another_layout(endpoin
     keys = _keys(endpoint, "mlm/")
     assert {"mlm/latest_checkpointed_iteration.txt", "mlm/iter_0000004/ucp.json", "mlm/iter_0000008/ucp.json"} <= keys
     assert not list((tmp_path / "save").glob("*:*")), "a store path was written as a local folder"
+    assert "mlm/.ucp_owner.json" not in keys, "the owner record outlived the job's clean end"
 
     resumed = run(python, tmp_path / "resume", 4, DIST + UNIVERSAL + [
         "--load", f"s3://{BUCKET}/mlm", "--ckpt-step", str(K)], N).check()

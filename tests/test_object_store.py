@@ -30,7 +30,7 @@ DIST = ["--use-distributed-optimizer"]
 BUCKET = "ucp"
 A = f"s3://{BUCKET}/A"
 MSC_PROFILE = "ucp-test"
-FAULTS = ("missing", "short", "changed", "slowdown")
+FAULTS = ("missing", "short", "changed", "slowdown", "reset")  # reset: the body cut mid-object, every attempt
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,12 @@ def _damage(client, faults, kind: str) -> str:
         client.put_object(Bucket=BUCKET, Key=key, Body=data[:-100])
     elif kind == "changed":  # same size, one byte of the last block changed after the manifest
         client.put_object(Bucket=BUCKET, Key=key, Body=data[:-7] + bytes([data[-7] ^ 0x40]) + data[-6:])
-    else:
+    elif kind == "slowdown":
         faults.add("GET", f"/{key}", "503")
+    elif kind == "reset":
+        faults.add("GET", f"/{key}", "cut")
+    else:  # reset_served: the connection reset mid-object twice, fewer than the client's 3 attempts
+        faults.add("GET", f"/{key}", "cut", 2)
     return f"s3://{BUCKET}/{key}"
 
 
@@ -134,17 +138,20 @@ def second(endpoint, first, tmp_path_factory):
     for key in _objects(client, f"A/iter_{K:07d}/"):
         (local / key[len("A/"):]).parent.mkdir(parents=True, exist_ok=True)
         client.download_file(BUCKET, key, str(local / key[len("A/"):]))
-    damaged = {kind: _damage(client, faults, kind) for kind in FAULTS}
+    damaged = {kind: _damage(client, faults, kind) for kind in FAULTS + ("reset_served",)}
     steps = [
         _train("after_kill", DIST, iters=N + 2, save=A, interval=2, load=A),
         _train("b_disk", DIST, load=str(local), step=K),
+        _train("b_reset_served", DIST, load=f"s3://{BUCKET}/F_reset_served", step=K),
     ] + ([_train("b_msc", DIST, load=f"msc://{MSC_PROFILE}/A", step=K)] if HAVE_MSC else []) + [  # through MSC
         {"name": f"e_{kind}", "op": "load_expecting_error",
           "argv": BASE + DIST + ["--train-iters", str(N), "--load", f"s3://{BUCKET}/F_{kind}", "--load-universal"]}
          for kind in FAULTS]
     results = run_steps(4, steps, work)
+    served = "/" + damaged["reset_served"].split("/", 3)[3]  # s3://BUCKET/KEY -> /KEY, the rule's text
+    cuts_left = [rule[3] for rule in faults.rules if rule[1] == served]
     faults.clear()
-    return results, damaged
+    return results, dict(damaged, cuts_left=cuts_left)
 
 
 def test_tp2pp2_saved_to_s3_resumes_on_tp1dp4_with_the_same_losses(first, second):
@@ -196,8 +203,17 @@ def test_a_faulty_store_is_one_line_naming_the_object(second, kind):
     assert raised, f"the load of a {kind} object succeeded"
     for message in raised:
         assert "\n" not in message and damaged[kind] in message, message
-    expected = {"missing": "missing", "short": "truncated", "changed": "crc32", "slowdown": "SlowDown"}[kind]
+    expected = {"missing": "missing", "short": "truncated", "changed": "crc32", "slowdown": "SlowDown",
+                "reset": "failed after 3 attempts"}[kind]
     assert expected in raised[0], raised[0]
+
+
+def test_a_connection_reset_mid_object_is_retried_then_served(second):
+    """The largest tensor object's body cut short twice during a training load: retried, and the
+    resume is the local copy's to the bit."""
+    results, damaged = second
+    assert damaged["cuts_left"] == [0], damaged["cuts_left"]  # both cuts happened
+    assert losses(results, "b_reset_served") == losses(results, "b_disk")
 
 
 def test_the_store_retries_what_s3_clients_retry_then_names_the_object(endpoint, tmp_path, monkeypatch):

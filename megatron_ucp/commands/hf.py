@@ -53,7 +53,7 @@ def import_main(argv=None) -> int:
                    help="skip recording the resume proof (transformers' losses of a probe sequence on CPU, which "
                         "the first resume compares with megatron's)")
     a = parse_import_args(p, argv)
-    s = import_(a.hf_dir, a.output, not a.no_progress, a.workers, not a.no_proof)
+    s = import_(a.hf_dir, a.output, not a.no_progress, a.workers, not a.no_proof, a.staging_dir)
     print(f"imported {s['family']}: {s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s "
           f"({s['GB/s']:.3f} GB/s) into {s['output']}")
     print(f" {s['proof']}")

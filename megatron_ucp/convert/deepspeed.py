@@ -33,10 +33,10 @@ import time
 import numpy as np
 
 from megatron_ucp.convert import deepspeed_map as dsm, deepspeed_qkv as qkv, deepspeed_values as dv, megatron_args
-from megatron_ucp.convert import output_folder, safe_pickle, writer as stream_write
+from megatron_ucp.convert import output_folder, safe_pickle, store_output, writer as stream_write
 from megatron_ucp.convert.source_model import given_args
 from megatron_ucp.errors import ConfigError, FormatError, IncompleteCheckpointError, run_command
-from megatron_ucp.format import manifest as mf, safe_files, zip_bounds
+from megatron_ucp.format import manifest as mf, safe_files, storage, zip_bounds
 from megatron_ucp.format.layout import PADDING
 from megatron_ucp.format.tensor_entry import STATES, TensorEntry
 
@@ -244,10 +244,15 @@ def _record(states: dict, path: str, args: dict) -> dict:
 
 
 def import_(folder: str, output: str, progress: bool = True, workers: int = 1, qkv_layout: str = None,
-            prove: bool = True) -> dict:
+            prove: bool = True, staging_dir=None) -> dict:
     """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours.
     `qkv_layout`: 'thirds' or 'grouped' where the args do not tell (deepspeed_qkv); `prove`:
-    with the resume proof of Megatron-DeepSpeed's forward of the source (deepspeed_proof.py)."""
+    with the resume proof of Megatron-DeepSpeed's forward of the source (deepspeed_proof.py).
+    An object-store `output` is written in a local staging folder, then uploaded (store_output.py)."""
+    store_output.refuse_input(folder, "import-deepspeed", "DeepSpeed's torch.load files")
+    if storage.is_remote(output):
+        return store_output.write_to(
+            output, lambda local: import_(folder, local, progress, workers, qkv_layout, prove), "output", staging_dir)
     start = time.perf_counter()
     folder = os.path.abspath(folder)
     output_folder.refuse_inside_input(output, folder, "output")
@@ -390,7 +395,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-proof", action="store_true",
                    help="record no resume proof (Megatron-DeepSpeed's forward of the source, run here on CPU)")
     a = parse_import_args(p, argv)
-    s = import_(a.input, a.output, not a.no_progress, a.workers, a.qkv_layout, not a.no_proof)
+    s = import_(a.input, a.output, not a.no_progress, a.workers, a.qkv_layout, not a.no_proof, a.staging_dir)
     print(f"imported iteration {s['iteration']} (Adam step {s['step']}, {s['consumed_samples']} samples consumed): "
           f"{s['tensors']} tensors, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s into {s['output']}")
     print(s["proof"])

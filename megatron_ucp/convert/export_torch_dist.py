@@ -46,10 +46,22 @@ class Plan:
 
 def resolve(ckpt: str, iteration=None):
     """(save folder, iteration) of a universal checkpoint given as a save folder or an iter_ folder."""
-    from megatron_ucp.format.folder import found_format
+    from megatron_ucp.format import storage, stores
+    from megatron_ucp.format.folder import designated_format, found_format
     from megatron_ucp.format.folder import iteration_dir, iteration_of, read_tracker
     from megatron_ucp.format.manifest import MANIFEST
 
+    if storage.is_remote(ckpt):  # universal checkpoints only there; the workers load them by ranged GETs
+        if stores.exists(storage.join(ckpt.rstrip("/"), MANIFEST)):
+            root, _, name = ckpt.rstrip("/").rpartition("/")
+            if iteration_of(name) is None:
+                raise FormatError(f"{ckpt}: an iteration prefix is named iter_NNNNNNN; give its parent prefix")
+            if iteration is not None and iteration != iteration_of(name):
+                raise ConfigError(f"--iteration {iteration} contradicts the iteration prefix {ckpt}")
+            return root, iteration_of(name)
+        it = iteration if iteration is not None else read_tracker(ckpt)
+        designated_format(iteration_dir(ckpt, it))  # IncompleteCheckpointError without a manifest
+        return ckpt, it
     if not os.path.isdir(ckpt):
         raise IncompleteCheckpointError(f"{ckpt}: no such checkpoint folder")
     if os.path.lexists(os.path.join(ckpt, MANIFEST)):  # an iter_ folder
@@ -118,6 +130,7 @@ def _layout_words(args, optim_format: str) -> str:
 
 def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None) -> Plan:
     """Check the checkpoint, the output folder and the layout flags; no process is started."""
+    from megatron_ucp.format import storage
     from megatron_ucp.format.folder import iteration_dir
     from megatron_ucp.convert.output_folder import check_save_folder
     from megatron_ucp.format.manifest import MANIFEST, read_manifest
@@ -125,6 +138,10 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     from megatron_ucp.mcore.flag_validation import validate
     from megatron_ucp.mcore.flags import build_parser
 
+    if storage.is_remote(output):
+        raise ConfigError(f"OUT {output}: export-torch-dist writes a folder (megatron's torch_dist writer writes "
+                          "files; megatron-core reads torch_dist from a store only through --enable-msc): give a "
+                          "folder, then copy it to the store (aws s3 sync, msc sync) if wanted")
     root, it = resolve(ckpt, iteration)
     m = read_manifest(iteration_dir(root, it))
     saved = m.args if isinstance(m.args, dict) else {}
@@ -207,7 +224,7 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="export_torch_dist", description=__doc__.splitlines()[0])
-    p.add_argument("ckpt", help="universal save folder (or one of its iter_ folders)")
+    p.add_argument("ckpt", help="universal save folder (or one of its iter_ folders), or an s3:// / msc:// prefix")
     p.add_argument("out", help="where the torch_dist checkpoint goes (its iter_ folder and tracker)")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--nproc", type=int, default=None,

@@ -317,10 +317,17 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
                               f"a floating-point one ({', '.join(hf_config.FLOAT_DTYPES)})")
 
 
-def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1, prove: bool = True) -> dict:
+def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1, prove: bool = True,
+            staging_dir=None) -> dict:
     """Write the weights of a HF model folder as a universal checkpoint at iteration 0, with the
-    resume proof of what transformers computes from the folder (hf_proof.py; `prove`)."""
-    from megatron_ucp.convert import writer as stream_write
+    resume proof of what transformers computes from the folder (hf_proof.py; `prove`). An
+    object-store `output` is written in a local staging folder, then uploaded (store_output.py)."""
+    from megatron_ucp.convert import store_output, writer as stream_write
+
+    store_output.refuse_input(hf_dir, "import-hf", "a Hugging Face model folder")
+    if storage.is_remote(output):
+        return store_output.write_to(output, lambda local: import_(hf_dir, local, progress, workers, prove),
+                                     "output", staging_dir)
 
     start = time.perf_counter()
     path = os.path.join(hf_dir, "config.json")

@@ -51,17 +51,25 @@ def _refuse_universal(directory: str):
 
 
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
-            progress=True, via_megatron=False, prove=True) -> dict:
+            progress=True, via_megatron=False, prove=True, staging_dir=None) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds, and how the resume proof
     went). `prove`: record the proof of megatron's own load of a streamed torch_dist, legacy or
-    fsdp_dtensor source (--via-megatron's save records it from the same load)."""
+    fsdp_dtensor source (--via-megatron's save records it from the same load). An object-store
+    `output_dir` is written in a local staging folder, then uploaded (store_output.py)."""
+    from megatron_ucp.convert import store_output
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
+    from megatron_ucp.format import storage
     from megatron_ucp.format.folder import MANIFEST, found_format, iteration_dir
 
+    store_output.refuse_input(input_dir, "convert", "torch_dist, fsdp_dtensor and legacy checkpoints")
     if os.path.lexists(os.path.join(input_dir, MANIFEST)):
         _refuse_universal(input_dir)
     root, it = _resolve(input_dir, iteration)
+    if storage.is_remote(output_dir):
+        return store_output.write_to(output_dir, lambda local: convert(
+            input_dir, local, iteration, extra_argv, nproc, workers, progress, via_megatron, prove),
+            "--output", staging_dir)
     found = found_format(iteration_dir(root, it))[0]
     if found == "universal":
         _refuse_universal(iteration_dir(root, it))
@@ -196,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--via-megatron", action="store_true",
                    help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--staging-dir", default=None,
+                   help="an object-store --output (s3://, msc://) is written here first, then uploaded "
+                        "(default: TMPDIR); it needs room for the whole checkpoint")
     p.add_argument("--no-proof", action="store_true",
                    help="skip recording the resume proof (megatron's own load of the source in "
                         "one CPU process, whose losses and weights the first resume compares)")
@@ -203,7 +214,7 @@ def main(argv=None) -> int:
     if a.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
     summary = convert(a.input, a.output, a.iteration, extra, a.nproc, a.workers, not a.no_progress,
-                      a.via_megatron, not a.no_proof)
+                      a.via_megatron, not a.no_proof, a.staging_dir)
     print(f"converted {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
           f"{summary['seconds']:.1f} s ({summary['GB/s']:.3f} GB/s) into {summary['output']}")
     if summary.get("proof"):

@@ -20,7 +20,7 @@ from typing import Callable, Dict
 import numpy as np
 
 from megatron_ucp.convert import output_folder
-from megatron_ucp.errors import ConfigError, FormatError
+from megatron_ucp.errors import ConfigError, FormatError, SaveError
 from megatron_ucp.format import checksums, durability, folder, manifest as mf
 from megatron_ucp.format.folder import iteration_dir
 from megatron_ucp.format.layout import PADDING
@@ -115,6 +115,20 @@ def write_checkpoint(output_dir: str, iteration: int, metas: Dict[str, TensorEnt
             "seconds": seconds, "GB/s": nbytes / seconds / 1e9}
 
 
+def _check_room(folder: str, needed: int) -> None:
+    """Before any file: a SaveError when `folder`'s file system has less room than the tensor
+    files take (an object-store output is staged on local disk whole: store_output.py)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise SaveError(f"{folder}: disk full: {free / 1e9:.3f} GB free, the checkpoint's tensor files take "
+                        f"{needed / 1e9:.3f} GB; nothing was written: free space or choose another folder "
+                        "(--staging-dir for an object-store output)")
+
+
 def _write_all(output_dir, iteration, metas, opener, head, rng, workers, progress) -> dict:
     """Write into a temporary folder and commit it; the entries written."""
     global _JOB
@@ -128,6 +142,7 @@ def _write_all(output_dir, iteration, metas, opener, head, rng, workers, progres
     workers = worker_count(workers, len(names))
     _JOB = (metas, opener)
     try:
+        _check_room(tmp, total)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress)
         jobs = [(n, tmp) for n in names]
         if workers > 1:

@@ -116,9 +116,24 @@ def _commit(store, save_dir: str, iteration: int, head, all_checksums) -> None:
     for c in all_checksums:
         for name, info in c.items():
             tensors[name] = tensors[name].written(**info)
-    manifest = dataclasses.replace(head, tensors=tensors).to_json()
-    store.write(storage.join(iteration_dir(save_dir, iteration), MANIFEST), json_bytes(manifest))
+    commit(store, save_dir, iteration, json_bytes(dataclasses.replace(head, tensors=tensors).to_json()))
+
+
+def commit(store, save_dir: str, iteration: int, manifest: bytes) -> None:
+    """Step 3, once every object of the iteration is up: its manifest, then the tracker (also
+    the commit of a converter's output staged on local disk: convert/store_output.py)."""
+    store.write(storage.join(iteration_dir(save_dir, iteration), MANIFEST), manifest)
     store.write(storage.join(save_dir, TRACKER), f"{iteration}\n".encode())
+
+
+def discard(store, final: str) -> None:
+    """A failed save's objects under `final` removed (it has no manifest: a load never takes
+    them); errors ignored, the save's own is the one to report (a crash leaves them to the
+    next save's prepare)."""
+    try:
+        store.delete([p for p, _ in store.list(final)])
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def execute(save_dir, iteration, items, snapshot, transfers, entries, part_shapes, created, rng_state,
@@ -155,11 +170,8 @@ def execute(save_dir, iteration, items, snapshot, transfers, entries, part_shape
         everywhere(lambda: _commit(store, save_dir, iteration, head, [s for s, _ in sent if s])
                    if rank == 0 else None)
     except Exception as e:
-        if rank == 0:
-            try:  # nothing of this save is committed: its objects go (a crash leaves them to the next save)
-                store.delete([p for p, _ in store.list(final)])
-            except Exception:  # noqa: BLE001 (the save's own error is the one to report)
-                pass
+        if rank == 0:  # nothing of this save is committed: its objects go
+            discard(store, final)
         if isinstance(e, SaveError):
             raise
         raise SaveError(f"save of iteration {iteration} to {save_dir} failed, nothing committed: {e}") from e

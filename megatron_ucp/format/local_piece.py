@@ -32,7 +32,8 @@ from megatron_ucp.format.checksums import crc32  # zlib-ng's where installed: zl
 from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json, fsync_dir
 from megatron_ucp.format.folder import iteration_dir, iteration_of
 from megatron_ucp.format.layout import Region
-from megatron_ucp.format.safe_files import open_regular, read_bounded, read_json
+from megatron_ucp.format import storage, stores
+from megatron_ucp.format.safe_files import open_regular, parse_json, read_bounded, read_json
 
 COMPLETE = "COMPLETE"
 MAX_HEADER_BYTES = 256 * 2**20
@@ -45,7 +46,10 @@ JOB_FILE = ".ucp_local_job.json"  # in the --save folder: the job's id, made at 
 def job_id(folder: str, create: bool) -> Optional[str]:
     """The job id kept in `folder` (a --save or --load folder), made there when `create` and
     absent (the job's first start: exclusively, so that of two starts at once one id wins);
-    None when absent otherwise. FormatError naming the record when it is not one."""
+    None when absent otherwise. FormatError naming the record when it is not one. In an
+    object store it is an object there, created only where there is none (If-None-Match)."""
+    if storage.is_remote(folder):
+        return _checked_job(_store_job_record(folder, create), storage.join(folder, JOB_FILE))
     path = os.path.join(folder, JOB_FILE)
     if create and not os.path.lexists(path):
         os.makedirs(folder, exist_ok=True)
@@ -59,7 +63,23 @@ def job_id(folder: str, create: bool) -> Optional[str]:
             os.unlink(tmp)
     if not os.path.lexists(path):
         return None
-    record = read_json(path, "local-tier job record", MAX_SIDECAR_BYTES)
+    return _checked_job(read_json(path, "local-tier job record", MAX_SIDECAR_BYTES), path)
+
+
+def _store_job_record(folder: str, create: bool):
+    """The job record object of a --save/--load prefix (a local path would make a folder
+    named 's3:' and each node's restart another id); None where there is none."""
+    store, path = stores.store_for(folder), storage.join(folder, JOB_FILE)
+    if create and not store.exists(path):
+        store.write_if(path, json.dumps({"id": uuid.uuid4().hex}).encode(), None)  # of two starts one wins
+    if not store.exists(path):
+        return None
+    return parse_json(store.read(path, MAX_SIDECAR_BYTES, "local-tier job record"), path, "local-tier job record")
+
+
+def _checked_job(record, path: str) -> Optional[str]:
+    if record is None:
+        return None
     job = record.get("id") if isinstance(record, dict) else None
     if not (isinstance(job, str) and 0 < len(job) <= 64 and job.isalnum()):
         raise FormatError(f"{path}: job id {job!r}, expected up to 64 letters or digits")

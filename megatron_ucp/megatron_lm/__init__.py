@@ -13,6 +13,8 @@ megatron-core >= 0.17, or a Megatron-LM clone's beside an earlier wheel).
   FSDP checkpoint formats; (store_paths.py): an object-store `--save` that megatron's own code
   would write as a local folder is refused;
 - `train_step` (loss_log.py): with `--loss-log`, one JSON line per iteration;
+- `pretrain` (owner.py): at a clean end, the --save folder's or prefix's owner record of the
+  universal saves is given up, as the own loop does;
 - its checkpoint functions (checkpoint.py): `save_checkpoint` writes universal checkpoints when
   `--ckpt-format universal`, `load_checkpoint` loads any universal checkpoint on any layout
   whatever `--ckpt-format` says, `load_args_from_checkpoint` reads a manifest's arguments, and
@@ -43,7 +45,7 @@ def install(cpu: bool = False) -> None:
         if cpu and not _INSTALLED["cpu"]:
             raise ConfigError("megatron_ucp.megatron_lm.install(cpu=True) after install() without it")
         return
-    from megatron_ucp.megatron_lm import (checkpoint, elastic, flags, fsdp_flags, local_tier, loss_log,
+    from megatron_ucp.megatron_lm import (checkpoint, elastic, flags, fsdp_flags, local_tier, loss_log, owner,
                                          store_paths, trainer_fixes)
 
     compat.apply()
@@ -59,4 +61,5 @@ def install(cpu: bool = False) -> None:
     store_paths.install()
     checkpoint.install()
     loss_log.install()
+    owner.install()
     _INSTALLED["cpu"] = cpu

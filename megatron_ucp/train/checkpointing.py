@@ -132,10 +132,13 @@ def _load_target(args):
 
 def latest_checkpoint(args):
     """(iteration, folder, saved layout) that --elastic resumes; None when --load holds none yet."""
-    if not args.load or (args.ckpt_step is None and not os.path.exists(os.path.join(args.load, TRACKER))):
+    if not args.load or not _has_checkpoint(args):  # a tracker in a folder or a store
         return None
     iteration, directory = _load_target(args)
-    if not os.path.isdir(directory):
+    if storage.is_remote(directory):
+        from megatron_ucp.format.folder import designated_format
+        designated_format(directory)  # IncompleteCheckpointError: no manifest there
+    elif not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"{directory}: named by --load/--ckpt-step but missing")
     if not _is_universal(directory):
         raise FormatError(f"{directory}: --elastic resumes universal checkpoints only (no ucp.json); "
