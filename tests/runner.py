@@ -488,7 +488,7 @@ def corrupt_copy(step):
 def process_groups(step):
     """How many process groups this rank's torch still holds (the earlier steps' sessions have
     ended: the default group alone should be left)."""
-    return {"held": len(dist.distributed_c10d._world.pg_map)}
+    return {"held": len(dist.distributed_c10d._world.pg_map), "threads": len(os.listdir("/proc/self/task"))}
 
 
 OPS = {"process_groups": process_groups, "corrupt_copy": corrupt_copy, "restore_both": restore_both, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,
