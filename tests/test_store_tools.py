@@ -355,3 +355,28 @@ def test_a_torch_dist_upload_puts_the_tracker_last_and_a_failed_one_leaves_none(
         store_staging.check_output(url, 4)
     with pytest.raises(ConfigError, match=r"at iteration 4; writing iteration 3 there would move its tracker back"):
         store_staging.check_output(url, 3)
+
+
+def test_import_deepspeed_from_the_store_equals_the_import_on_disk(stored, tmp_path):
+    """A DeepSpeed universal folder written by hand (tests/ds_universal.py), downloaded whole."""
+    import ds_universal
+    from megatron_ucp.convert.deepspeed import import_ as import_deepspeed
+
+    _, _, client, _ = stored
+    variant = dict(tied=True, groups=2)
+    gpt = ds_universal.model(variant)
+    folder = Path(ds_universal.write(tmp_path / "ds", gpt, ds_universal.args_of(gpt, variant), 1))
+    _upload(client, folder, "ds_src")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    s3 = import_deepspeed(f"s3://{BUCKET}/ds_src", str(tmp_path / "from_s3"), progress=False, prove=False,
+                          staging_dir=str(staging))
+    assert not list(staging.iterdir()), "the staging copy is left behind"
+    disk = import_deepspeed(str(folder), str(tmp_path / "from_disk"), progress=False, prove=False)
+    it = Path(disk["output"]).name
+    assert s3["tensors"] == disk["tensors"] > 0
+    assert _tensor_bytes(tmp_path / "from_s3" / it) == _tensor_bytes(tmp_path / "from_disk" / it)
+    on_s3, on_disk = _manifest(tmp_path / "from_s3" / it), _manifest(tmp_path / "from_disk" / it)
+    assert on_s3["source"].pop("deepspeed") == f"s3://{BUCKET}/ds_src"
+    on_disk["source"].pop("deepspeed")
+    assert on_s3 == on_disk
