@@ -2,7 +2,9 @@
 HF Llama imported into a folder, uploaded object for file, then `export-hf` and `inspect
 --verify --prove` read it from s3:// through the store (no copy on local disk); `import-hf`
 writes into s3:// (staged on disk, committed by the save's protocol: convert/store_output.py),
-an upload that fails half-way commits nothing; what stays refused is one line.
+an upload that fails half-way commits nothing. Foreign inputs in the store (an HF folder, an
+fsdp_dtensor checkpoint built by hand) are downloaded into a staging folder and converted as
+on disk; a torch_dist folder is uploaded from one, the tracker last (convert/store_staging.py).
 (`convert` and `export-torch-dist` through a store: tests/test_store_convert.py, slow.)"""
 
 import json
@@ -193,20 +195,15 @@ def test_staging_without_room_is_refused_before_any_upload(stored, tmp_path, mon
     assert not _objects(client, "no_room") and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["convert", "--input=msc://p/ckpt", "--output", "out"], "convert reads torch_dist, fsdp_dtensor and legacy"),
-    (["import-hf", "s3://b/hf", "out"], "import-hf reads a Hugging Face model folder from a folder"),
-    (["import-deepspeed", "s3://b/ds", "out"], "import-deepspeed reads DeepSpeed's torch.load files from a folder"),
-    (["export-torch-dist", "ckpt", "s3://b/out", "--", "--tensor-model-parallel-size", "2"],
-     "export-torch-dist writes a folder"),
-])
-def test_what_a_store_cannot_take_is_one_line(argv, message, tmp_path, monkeypatch, capsys):
+def test_a_missing_store_input_is_one_line(stored, tmp_path, monkeypatch, capsys):
     from megatron_ucp.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and "\n" not in err, err
+    for argv in (["convert", f"--input=s3://{BUCKET}/nothing", "--output", "out"],
+                 ["import-hf", f"s3://{BUCKET}/nothing", "out"], ["import-deepspeed", f"s3://{BUCKET}/nothing", "out"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"s3://{BUCKET}/nothing: no objects under this prefix" in err and "\n" not in err, err
     assert not list(tmp_path.iterdir()), "a URL was taken for a local folder"
 
 
@@ -223,3 +220,163 @@ def test_export_torch_dist_plans_from_a_checkpoint_in_the_store(stored, tmp_path
     assert (job.root, job.iteration) == (url, 0)
     with pytest.raises(IncompleteCheckpointError, match=r"llama/iter_0000003: holds no universal checkpoint"):
         plan(url, str(tmp_path / "out"), iteration=3, extra=tp2)
+
+
+# ---------------------------------------------------------------- staging (convert/store_staging.py)
+
+
+def _tensor_bytes(folder: Path) -> dict:
+    return {f.relative_to(folder).as_posix(): f.read_bytes() for f in folder.rglob("*")
+            if f.is_file() and "tensors" in f.parts}
+
+
+def _manifest(iter_dir: Path) -> dict:
+    return json.loads((iter_dir / "ucp.json").read_text())
+
+
+def _refusing_gets(faults, texts):
+    """A 503 on every GET of objects the command must not download."""
+    for text in texts:
+        faults.add("GET", text, "503")
+
+
+def test_import_hf_from_the_store_equals_the_import_on_disk(stored, tmp_path):
+    local, _, client, faults = stored
+    hf = local.parent / "hf"
+    _upload(client, hf, "hf_src")
+    client.put_object(Bucket=BUCKET, Key="hf_src/pytorch_model.bin", Body=b"not read")  # other weights, a subfolder
+    client.put_object(Bucket=BUCKET, Key="hf_src/original/consolidated.00.pth", Body=b"not read")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    _refusing_gets(faults, ["pytorch_model.bin", "consolidated"])
+    try:
+        s3 = import_(f"s3://{BUCKET}/hf_src", str(tmp_path / "from_s3"), progress=False, prove=False,
+                     staging_dir=str(staging))
+    finally:
+        faults.clear()
+    assert not list(staging.iterdir()), "the staging copy is left behind"
+    import_(str(hf), str(tmp_path / "from_disk"), progress=False, prove=False)
+    it = Path(s3["output"]).name
+    assert _tensor_bytes(tmp_path / "from_s3" / it) == _tensor_bytes(tmp_path / "from_disk" / it)
+    on_s3, on_disk = _manifest(tmp_path / "from_s3" / it), _manifest(tmp_path / "from_disk" / it)
+    assert on_s3.pop("source")["huggingface"] == f"s3://{BUCKET}/hf_src"
+    on_disk.pop("source")
+    assert on_s3 == on_disk
+
+
+def _fsdp_save_prefix(root: Path) -> Path:
+    """A hand-built fsdp_dtensor checkpoint (fsdp_dtensor_fixture.py) in a save folder with megatron's tracker."""
+    import fsdp_dtensor_fixture as fx
+
+    fx.write(root)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(fx.ITERATION))
+    return root
+
+
+def test_convert_from_the_store_downloads_the_tracked_iteration(stored, tmp_path):
+    from megatron_ucp.convert.to_universal import convert
+
+    _, _, client, faults = stored
+    src = _fsdp_save_prefix(tmp_path / "src")
+    _upload(client, src, "fsdp")
+    client.put_object(Bucket=BUCKET, Key="fsdp/iter_0000002/__0_0.distcp", Body=b"an older iteration, not read")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    _refusing_gets(faults, ["iter_0000002"])
+    try:
+        s3 = convert(f"s3://{BUCKET}/fsdp", str(tmp_path / "from_s3"), progress=False, prove=False,
+                     staging_dir=str(staging))
+    finally:
+        faults.clear()
+    assert not list(staging.iterdir()), "the staging copy is left behind"
+    disk = convert(str(src), str(tmp_path / "from_disk"), progress=False, prove=False)
+    it = Path(disk["output"]).name
+    assert s3["iteration"] == disk["iteration"] and s3["tensors"] == disk["tensors"] > 0
+    assert _tensor_bytes(tmp_path / "from_s3" / it) == _tensor_bytes(tmp_path / "from_disk" / it)
+    on_s3, on_disk = _manifest(tmp_path / "from_s3" / it), _manifest(tmp_path / "from_disk" / it)
+    assert on_s3.pop("source")["fsdp_dtensor"] == f"s3://{BUCKET}/fsdp/{it}"
+    on_disk.pop("source")
+    assert on_s3 == on_disk
+    # the iteration prefix itself (no tracker) converts the same, into the store too
+    convert(f"s3://{BUCKET}/fsdp/{it}", f"s3://{BUCKET}/fsdp_ucp", progress=False, prove=False,
+            staging_dir=str(staging))
+    assert {k: _read(client, f"fsdp_ucp/{k}") for k in _objects(client, "fsdp_ucp") if k.startswith(f"{it}/tensors/")} \
+        == {f"{it}/{k}": v for k, v in _tensor_bytes(tmp_path / "from_disk" / it).items()}
+    assert not list(staging.iterdir())
+    with pytest.raises(ConfigError, match=rf"--input s3://{BUCKET}/fsdp_ucp/{it} holds a universal checkpoint"):
+        convert(f"s3://{BUCKET}/fsdp_ucp", str(tmp_path / "again"), progress=False, prove=False)
+
+
+def test_a_download_without_room_is_refused_before_any_byte(stored, tmp_path, monkeypatch):
+    import os
+
+    from megatron_ucp.convert.to_universal import convert
+
+    _, _, client, faults = stored
+    _upload(client, _fsdp_save_prefix(tmp_path / "src"), "fsdp_room")
+    real = os.statvfs
+
+    def tiny(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:])
+    monkeypatch.setattr(os, "statvfs", tiny)
+    gets = faults.seen.get("GET", 0)
+    with pytest.raises(SaveError, match=r"ucp-staging-.*: disk full: 0.000 GB free, the input s3://.*fsdp_room takes"):
+        convert(f"s3://{BUCKET}/fsdp_room", str(tmp_path / "out"), progress=False, prove=False,
+                staging_dir=str(tmp_path / "src"))
+    assert faults.seen.get("GET", 0) == gets + 2  # the tracker and the listing, no object
+    assert [p.name for p in (tmp_path / "src").iterdir() if p.name.startswith("ucp-staging")] == []
+
+
+def test_a_torch_dist_upload_puts_the_tracker_last_and_a_failed_one_leaves_none(stored, tmp_path, monkeypatch):
+    from megatron_ucp.convert import store_staging
+    from megatron_ucp.format import stores
+
+    _, _, client, faults = stored
+    src = _fsdp_save_prefix(tmp_path / "src")  # a folder megatron's DCP writer wrote, with its tracker
+    url = f"s3://{BUCKET}/td"
+    files = sorted(p.name for p in (src / "iter_0000004").iterdir())
+    faults.add("PUT", files[1], "503")
+    try:
+        with pytest.raises(SaveError, match=rf"upload of iteration 4 to {url} failed, nothing committed.*{files[1]}"):
+            store_staging.upload(str(src), url, 4)
+    finally:
+        faults.clear()
+    assert not _objects(client, "td"), "a failed upload left objects"
+    order = []
+    store = stores.store_for(url)
+    real = store.upload
+    monkeypatch.setattr(store, "upload", lambda path, local: (order.append(path.rsplit("/", 1)[1]), real(path, local)))
+    store_staging.upload(str(src), url, 4)
+    assert order[-1] == "latest_checkpointed_iteration.txt" and sorted(order[:-1]) == files
+    assert {k: _read(client, f"td/{k}") for k in _objects(client, "td")} == \
+        {f.relative_to(src).as_posix(): f.read_bytes() for f in src.rglob("*") if f.is_file()}
+    with pytest.raises(ConfigError, match=r"td/iter_0000004 exists already"):
+        store_staging.check_output(url, 4)
+    with pytest.raises(ConfigError, match=r"at iteration 4; writing iteration 3 there would move its tracker back"):
+        store_staging.check_output(url, 3)
+
+
+def test_import_deepspeed_from_the_store_equals_the_import_on_disk(stored, tmp_path):
+    """A DeepSpeed universal folder written by hand (tests/ds_universal.py), downloaded whole."""
+    import ds_universal
+    from megatron_ucp.convert.deepspeed import import_ as import_deepspeed
+
+    _, _, client, _ = stored
+    variant = dict(tied=True, groups=2)
+    gpt = ds_universal.model(variant)
+    folder = Path(ds_universal.write(tmp_path / "ds", gpt, ds_universal.args_of(gpt, variant), 1))
+    _upload(client, folder, "ds_src")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    s3 = import_deepspeed(f"s3://{BUCKET}/ds_src", str(tmp_path / "from_s3"), progress=False, prove=False,
+                          staging_dir=str(staging))
+    assert not list(staging.iterdir()), "the staging copy is left behind"
+    disk = import_deepspeed(str(folder), str(tmp_path / "from_disk"), progress=False, prove=False)
+    it = Path(disk["output"]).name
+    assert s3["tensors"] == disk["tensors"] > 0
+    assert _tensor_bytes(tmp_path / "from_s3" / it) == _tensor_bytes(tmp_path / "from_disk" / it)
+    on_s3, on_disk = _manifest(tmp_path / "from_s3" / it), _manifest(tmp_path / "from_disk" / it)
+    assert on_s3["source"].pop("deepspeed") == f"s3://{BUCKET}/ds_src"
+    on_disk["source"].pop("deepspeed")
+    assert on_s3 == on_disk

@@ -244,15 +244,21 @@ def _record(states: dict, path: str, args: dict) -> dict:
 
 
 def import_(folder: str, output: str, progress: bool = True, workers: int = 1, qkv_layout: str = None,
-            prove: bool = True, staging_dir=None) -> dict:
+            prove: bool = True, staging_dir=None, origin=None) -> dict:
     """Write the DeepSpeed universal checkpoint `folder` as a universal checkpoint of ours.
     `qkv_layout`: 'thirds' or 'grouped' where the args do not tell (deepspeed_qkv); `prove`:
     with the resume proof of Megatron-DeepSpeed's forward of the source (deepspeed_proof.py).
-    An object-store `output` is written in a local staging folder, then uploaded (store_output.py)."""
-    store_output.refuse_input(folder, "import-deepspeed", "DeepSpeed's torch.load files")
+    An object-store `output` is written in a local staging folder, then uploaded (store_output.py);
+    a `folder` in a store is downloaded whole into one first (store_staging.py; `origin`: its URL,
+    which the manifest records)."""
+    if storage.is_remote(folder):
+        from megatron_ucp.convert import store_staging
+
+        with store_staging.local_input(folder, staging_dir) as local:
+            return import_(local, output, progress, workers, qkv_layout, prove, staging_dir, origin=folder)
     if storage.is_remote(output):
-        return store_output.write_to(
-            output, lambda local: import_(folder, local, progress, workers, qkv_layout, prove), "output", staging_dir)
+        return store_output.write_to(output, lambda local: import_(
+            folder, local, progress, workers, qkv_layout, prove, origin=origin), "output", staging_dir)
     start = time.perf_counter()
     folder = os.path.abspath(folder)
     output_folder.refuse_inside_input(output, folder, "output")
@@ -332,7 +338,7 @@ def import_(folder: str, output: str, progress: bool = True, workers: int = 1, q
                    optimizer={"type": "adam", "step": step, "param_groups": groups},
                    scheduler=record["scheduler"], args=given_args(argv), rng_saved=False, progress=record["progress"],
                    proof=proof_record,
-                   source={"deepspeed": folder, "ds_version": dv.version_text(states.get("ds_version"), path),
+                   source={"deepspeed": origin or folder, "ds_version": dv.version_text(states.get("ds_version"), path),
                            "zero_stage": zero_stage, "qkv_layout": layout_of_qkv, "megatron_deepspeed_args": args})
     fresh = not os.path.exists(output)
     try:

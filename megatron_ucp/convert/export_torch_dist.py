@@ -42,6 +42,7 @@ class Plan:
     nproc: int
     argv: list  # the workers' pretrain_gpt_ucp.py arguments
     layout: str  # for the messages: "TP1 PP1 DP4, distributed optimizer (dp_reshardable)"
+    store: str = None  # an s3:// or msc:// OUT: `output` is then a staging folder, uploaded after
 
 
 def resolve(ckpt: str, iteration=None):
@@ -128,8 +129,10 @@ def _layout_words(args, optim_format: str) -> str:
     return f"{words}, plain optimizer"
 
 
-def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None) -> Plan:
-    """Check the checkpoint, the output folder and the layout flags; no process is started."""
+def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_format=None, staging_dir=None) -> Plan:
+    """Check the checkpoint, the output folder and the layout flags; no process is started. An
+    object-store `output` is written into a staging folder under `staging_dir` (default TMPDIR),
+    then uploaded, the tracker last (store_staging.py)."""
     from megatron_ucp.format import storage
     from megatron_ucp.format.folder import iteration_dir
     from megatron_ucp.convert.output_folder import check_save_folder
@@ -138,11 +141,20 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
     from megatron_ucp.mcore.flag_validation import validate
     from megatron_ucp.mcore.flags import build_parser
 
-    if storage.is_remote(output):
-        raise ConfigError(f"OUT {output}: export-torch-dist writes a folder (megatron's torch_dist writer writes "
-                          "files; megatron-core reads torch_dist from a store only through --enable-msc): give a "
-                          "folder, then copy it to the store (aws s3 sync, msc sync) if wanted")
+    store = None
+    if storage.is_remote(output):  # megatron's torch_dist writer writes files: staged, then uploaded
+        import tempfile
+        import uuid
+
+        from megatron_ucp.convert import store_staging
+
+        if staging_dir is not None and not os.path.isdir(staging_dir):
+            raise ConfigError(f"--staging-dir {staging_dir}: no such folder")
+        store, output = output, os.path.join(staging_dir or tempfile.gettempdir(),
+                                             f"ucp-staging-{uuid.uuid4().hex}", "out")
     root, it = resolve(ckpt, iteration)
+    if store:
+        store_staging.check_output(store, it)
     m = read_manifest(iteration_dir(root, it))
     saved = m.args if isinstance(m.args, dict) else {}
     if not saved and not extra:
@@ -178,11 +190,26 @@ def plan(ckpt: str, output: str, iteration=None, extra=(), nproc=None, optim_for
               f"{args.make_vocab_size_divisible_by} x TP{args.tensor_model_parallel_size}); the "
               f"padding rows change and with them the loss, slightly; a --make-vocab-size-divisible-by "
               f"that gives {padded} keeps it", flush=True)
-    return Plan(root, it, output, nproc, argv, _layout_words(args, optim_format))
+    return Plan(root, it, output, nproc, argv, _layout_words(args, optim_format), store)
 
 
 def export(p: Plan) -> dict:
-    """Run the export's worker processes; returns a summary (files, bytes, seconds)."""
+    """Run the export's worker processes (and upload an object-store OUT's checkpoint from its
+    staging folder, removed in any case); returns a summary (files, bytes, seconds)."""
+    if p.store is None:
+        return _export(p)
+    from megatron_ucp.convert import store_staging
+    from megatron_ucp.format.folder import iteration_dir
+
+    try:
+        summary = _export(p)
+        store_staging.upload(p.output, p.store, p.iteration)
+    finally:
+        shutil.rmtree(os.path.dirname(p.output), ignore_errors=True)
+    return dict(summary, output=iteration_dir(p.store.rstrip("/"), p.iteration))
+
+
+def _export(p: Plan) -> dict:
     from megatron_ucp.convert.launch import run_workers
     from megatron_ucp.convert.output_folder import owned
     from megatron_ucp.format.folder import iteration_dir
@@ -225,15 +252,19 @@ def main(argv=None) -> int:
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="export_torch_dist", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", help="universal save folder (or one of its iter_ folders), or an s3:// / msc:// prefix")
-    p.add_argument("out", help="where the torch_dist checkpoint goes (its iter_ folder and tracker)")
+    p.add_argument("out", help="where the torch_dist checkpoint goes (its iter_ folder and tracker): a folder, "
+                               "or an s3:// / msc:// prefix")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes of the target layout (default: TP x PP, data-parallel size 1)")
+    p.add_argument("--staging-dir", default=None,
+                   help="an object-store OUT (s3://, msc://) is written here first, then uploaded "
+                        "(default: TMPDIR); it needs room for the whole checkpoint")
     p.add_argument("--dist-ckpt-optim-format", choices=["dp_reshardable", "fully_reshardable"],
                    default=None, help="how the distributed optimizer's state is sharded "
                                       "(default dp_reshardable, megatron's)")
     a = p.parse_args(own)
-    job = plan(a.ckpt, a.out, a.iteration, extra, a.nproc, a.dist_ckpt_optim_format)
+    job = plan(a.ckpt, a.out, a.iteration, extra, a.nproc, a.dist_ckpt_optim_format, a.staging_dir)
     print(f"exporting iteration {job.iteration} of {job.root} to torch_dist on {job.nproc} CPU "
           f"processes: {job.layout}", flush=True)
     s = export(job)

@@ -16,10 +16,16 @@ from megatron_ucp.convert.torch_dist_sources import from_boxes
 from megatron_ucp.format.tensor_entry import TensorEntry
 
 
-def convert(iter_dir: str, output_dir: str, extra_argv=(), workers: int = 1, progress: bool = True) -> dict:
-    """Convert one fsdp_dtensor `iter_XXXXXXX` folder into `output_dir`; returns the summary."""
+def convert(iter_dir: str, output_dir: str, extra_argv=(), workers: int = 1, progress: bool = True,
+            origin=None) -> dict:
+    """Convert one fsdp_dtensor `iter_XXXXXXX` folder into `output_dir`; returns the summary.
+    `origin`: the source's URL where `iter_dir` is its local copy (the manifest records it)."""
+    import dataclasses
+
     started = time.perf_counter()
     plan = plan_conversion(iter_dir, extra_argv)
+    if origin:
+        plan = dataclasses.replace(plan, head=dataclasses.replace(plan.head, source={"fsdp_dtensor": origin}))
     reader = DcpReader(iter_dir)
     metas = {n: TensorEntry.new(n, e.shape, e.padded_rows is not None, e.padding_rows, e.states, e.buffer)
              for n, e in plan.atomics.items()}

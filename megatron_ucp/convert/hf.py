@@ -317,16 +317,30 @@ def check_hf_tensors(model: hf_map.Model, reader: HFReader) -> None:
                               f"a floating-point one ({', '.join(hf_config.FLOAT_DTYPES)})")
 
 
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")  # not read here
+
+
+def _hf_reads(rel: str) -> bool:
+    """The objects of an HF folder in a store that the import reads: its own files (config,
+    safetensors, index, tokenizer), not subfolders or other frameworks' weights."""
+    return "/" not in rel and not rel.endswith(_OTHER_WEIGHTS)
+
+
 def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1, prove: bool = True,
-            staging_dir=None) -> dict:
+            staging_dir=None, origin=None) -> dict:
     """Write the weights of a HF model folder as a universal checkpoint at iteration 0, with the
     resume proof of what transformers computes from the folder (hf_proof.py; `prove`). An
-    object-store `output` is written in a local staging folder, then uploaded (store_output.py)."""
-    from megatron_ucp.convert import store_output, writer as stream_write
+    object-store `output` is written in a local staging folder, then uploaded (store_output.py);
+    an `hf_dir` in a store is downloaded into one first (store_staging.py; `origin`: its URL,
+    which the manifest records)."""
+    from megatron_ucp.convert import store_output, store_staging, writer as stream_write
 
-    store_output.refuse_input(hf_dir, "import-hf", "a Hugging Face model folder")
+    if storage.is_remote(hf_dir):
+        with store_staging.local_input(hf_dir, staging_dir, _hf_reads) as local:
+            return import_(local, output, progress, workers, prove, staging_dir, origin=hf_dir)
     if storage.is_remote(output):
-        return store_output.write_to(output, lambda local: import_(hf_dir, local, progress, workers, prove),
+        return store_output.write_to(output, lambda local: import_(hf_dir, local, progress, workers, prove,
+                                                                   origin=origin),
                                      "output", staging_dir)
 
     start = time.perf_counter()
@@ -362,7 +376,7 @@ def import_(hf_dir: str, output: str, progress: bool = True, workers: int = 1, p
                        use_distributed_optimizer=False, padded_vocab_size=model.vocab_size)
     head = mf.head(iteration=0, consumed_samples=0, architecture=hf_map.architecture(model), layout=layout,
                    optimizer=None, scheduler=None, args=given_args(argv), rng_saved=False, proof=record,
-                   source={"huggingface": os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]})
+                   source={"huggingface": origin or os.path.abspath(hf_dir), "architecture": hf_map.ARCHITECTURES[model.family]})
     summary = stream_write.write_checkpoint(output, 0, metas, opener, head, {}, workers, progress, start)
     summary["family"] = hf_map.ARCHITECTURES[model.family]
     summary["megatron_args"] = argv

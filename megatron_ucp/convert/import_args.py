@@ -13,8 +13,8 @@ def import_parser(prog: str, description: str, source: str, source_help: str) ->
     p.add_argument("--workers", type=int, default=1, help="write this many atomic tensors in parallel processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--staging-dir", default=None,
-                   help="an object-store output (s3://, msc://) is written here first, then uploaded "
-                        "(default: TMPDIR); it needs room for the whole checkpoint")
+                   help="an object-store source (s3://, msc://) is downloaded here first, an object-store "
+                        "output written here, then uploaded (default: TMPDIR); it needs room for them")
     return p
 
 

@@ -23,14 +23,6 @@ from megatron_ucp.format import safe_files, storage, stores, tensor_io
 from megatron_ucp.format.folder import MANIFEST, TRACKER, iteration_dir, iteration_of, read_tracker
 
 
-def refuse_input(path: str, command: str, reads: str) -> None:
-    """One line for an object-store input that `command` reads as POSIX files."""
-    if storage.is_remote(path):
-        raise ConfigError(f"{path}: {command} reads {reads} from a folder (its readers need POSIX files, "
-                          "not ranged GETs); copy it from the store to a folder (aws s3 sync, msc sync) and "
-                          "give the folder")
-
-
 def check(output: str, iteration: int, flag: str = "--output") -> None:
     """`output` (a store prefix) can take iteration `iteration`: not inside a checkpoint, its
     tracker not moved back, that iteration not committed there already."""

@@ -51,24 +51,36 @@ def _refuse_universal(directory: str):
 
 
 def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), nproc=None, workers=1,
-            progress=True, via_megatron=False, prove=True, staging_dir=None) -> dict:
+            progress=True, via_megatron=False, prove=True, staging_dir=None, origin=None) -> dict:
     """Convert; returns a summary (iteration, tensors, bytes, seconds, and how the resume proof
     went). `prove`: record the proof of megatron's own load of a streamed torch_dist, legacy or
     fsdp_dtensor source (--via-megatron's save records it from the same load). An object-store
-    `output_dir` is written in a local staging folder, then uploaded (store_output.py)."""
+    `output_dir` is written in a local staging folder, then uploaded (store_output.py); an
+    `input_dir` in a store is downloaded into one first (store_staging.py; `origin`: its URL)."""
     from megatron_ucp.convert import store_output
     from megatron_ucp.convert.legacy_files import is_legacy
     from megatron_ucp.convert.source_model import argv_from_args, legacy_overrides
     from megatron_ucp.format import storage
     from megatron_ucp.format.folder import MANIFEST, found_format, iteration_dir
 
-    store_output.refuse_input(input_dir, "convert", "torch_dist, fsdp_dtensor and legacy checkpoints")
+    if storage.is_remote(input_dir):  # downloaded for the readers of POSIX files (store_staging.py)
+        from megatron_ucp.convert import store_staging
+        from megatron_ucp.format import stores
+
+        it, keep = store_staging.save_prefix_keep(input_dir, iteration)
+        for where in [input_dir.rstrip("/")] + ([iteration_dir(input_dir.rstrip("/"), it)] if keep else []):
+            if stores.exists(storage.join(where, MANIFEST)):
+                _refuse_universal(where)
+        with store_staging.local_input(input_dir, staging_dir, keep) as local:
+            return convert(local, output_dir, iteration, extra_argv, nproc, workers, progress, via_megatron,
+                           prove, staging_dir, origin=iteration_dir(input_dir.rstrip("/"), it) if keep
+                           else input_dir.rstrip("/"))
     if os.path.lexists(os.path.join(input_dir, MANIFEST)):
         _refuse_universal(input_dir)
     root, it = _resolve(input_dir, iteration)
     if storage.is_remote(output_dir):
         return store_output.write_to(output_dir, lambda local: convert(
-            input_dir, local, iteration, extra_argv, nproc, workers, progress, via_megatron, prove),
+            input_dir, local, iteration, extra_argv, nproc, workers, progress, via_megatron, prove, origin=origin),
             "--output", staging_dir)
     found = found_format(iteration_dir(root, it))[0]
     if found == "universal":
@@ -82,7 +94,7 @@ def convert(input_dir: str, output_dir: str, iteration=None, extra_argv=(), npro
             raise ConfigError("--via-megatron reads torch_dist checkpoints; an fsdp_dtensor one is streamed")
         from megatron_ucp.convert import fsdp_dtensor
 
-        summary = fsdp_dtensor.convert(iteration_dir(root, it), output_dir, extra_argv, workers, progress)
+        summary = fsdp_dtensor.convert(iteration_dir(root, it), output_dir, extra_argv, workers, progress, origin)
         if prove:
             summary["proof"] = _proof_from_fsdp_dtensor(root, it, output_dir, extra_argv)
         return summary
@@ -196,7 +208,8 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="convert_to_universal", description=__doc__.splitlines()[0])
-    p.add_argument("--input", required=True, help="torch_dist, fsdp_dtensor or legacy torch save folder (or one iter_ folder)")
+    p.add_argument("--input", required=True, help="torch_dist, fsdp_dtensor or legacy torch save folder (or one iter_ folder), or an "
+                                                         "s3:// / msc:// prefix of one")
     p.add_argument("--output", required=True, help="where the universal checkpoint goes")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--nproc", type=int, default=None, help="default: the checkpoint's world size")
@@ -205,8 +218,8 @@ def main(argv=None) -> int:
                    help="torch_dist: load with megatron in CPU processes of the source layout instead of streaming")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--staging-dir", default=None,
-                   help="an object-store --output (s3://, msc://) is written here first, then uploaded "
-                        "(default: TMPDIR); it needs room for the whole checkpoint")
+                   help="an object-store --input (s3://, msc://) is downloaded here first (the iteration "
+                        "converted), an object-store --output written here, then uploaded (default: TMPDIR)")
     p.add_argument("--no-proof", action="store_true",
                    help="skip recording the resume proof (megatron's own load of the source in "
                         "one CPU process, whose losses and weights the first resume compares)")

@@ -93,10 +93,13 @@ class S3Store(Store):
     def read_ranges(self, path, spans):
         """One ranged GET per span; every GET after the first insists on the first one's ETag,
         so that all the bytes come from one version of the object."""
-        out, etag = [], None
+        return list(self.iter_ranges(path, spans))
+
+    def iter_ranges(self, path, spans):
+        etag = None
         for lo, hi in spans:
             if hi <= lo:
-                out.append(b"")
+                yield b""
                 continue
             extra = {"IfMatch": etag} if etag else {}
             data, found = self._get(path, f"a ranged read of bytes {lo}..{hi}", Range=f"bytes={lo}-{hi - 1}", **extra)
@@ -104,8 +107,7 @@ class S3Store(Store):
             if len(data) != hi - lo:
                 raise IntegrityError(f"{path}: object ends at byte offset {lo + len(data)}, inside the "
                                      f"bytes {lo}..{hi} read (truncated)")
-            out.append(data)
-        return out
+            yield data
 
     def head(self, path, nbytes):
         """One ranged GET: the bytes, and the size from its Content-Range ("bytes 0-N/SIZE")."""

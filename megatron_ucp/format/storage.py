@@ -84,6 +84,12 @@ class Store:
         a short object is an IntegrityError naming it."""
         raise NotImplementedError
 
+    def iter_ranges(self, path: str, spans):
+        """read_ranges' bytes one span at a time (a large object downloaded in chunks without
+        holding it whole); stores that can insist on one version across the GETs do."""
+        for span in spans:
+            yield self.read_ranges(path, [span])[0]
+
     def size(self, path: str):
         """The object's size in bytes; None where there is none."""
         raise NotImplementedError
