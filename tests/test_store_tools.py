@@ -69,8 +69,32 @@ def test_export_hf_reads_a_checkpoint_in_the_store(stored, tmp_path):
     summary = export(url, str(tmp_path / "from_s3"), progress=False)
     assert summary["tensors"] > 0
     assert _files(tmp_path / "from_s3") == _files(tmp_path / "from_disk")  # bitwise the same model
-    with pytest.raises(ConfigError, match="export-hf writes a local folder"):
-        export(url, f"s3://{BUCKET}/hf_out", progress=False)
+
+
+def test_export_hf_into_the_store_uploads_the_folder_config_last(stored, tmp_path, monkeypatch):
+    """export-hf into an empty prefix: the folder on disk, object for file, config.json last (a
+    reader opens it first); a failed upload leaves nothing; a prefix with objects is refused."""
+    from megatron_ucp.format import stores
+
+    local, url, client, faults = stored
+    export(str(local), str(tmp_path / "from_disk"), progress=False)
+    out = f"s3://{BUCKET}/hf_out"
+    faults.add("PUT", "model.safetensors", "503")
+    try:
+        with pytest.raises(SaveError, match=rf"upload of .* to {out} failed; what was uploaded is deleted"):
+            export(url, out, progress=False, staging_dir=str(tmp_path))
+    finally:
+        faults.clear()
+    assert not _objects(client, "hf_out") and not list(tmp_path.glob("ucp-staging-*"))
+    order = []
+    store = stores.store_for(out)
+    real = store.upload
+    monkeypatch.setattr(store, "upload", lambda path, f: (order.append(path.rsplit("/", 1)[1]), real(path, f)))
+    assert export(url, out, progress=False, staging_dir=str(tmp_path))["output"] == out
+    assert order[-1] == "config.json" and not list(tmp_path.glob("ucp-staging-*"))
+    assert {k: _read(client, f"hf_out/{k}") for k in _objects(client, "hf_out")} == _files(tmp_path / "from_disk")
+    with pytest.raises(ConfigError, match=rf"output {out}: the prefix holds objects already"):
+        export(url, out, progress=False)
 
 
 def test_export_hf_from_the_store_names_a_changed_object(stored, tmp_path):

@@ -27,15 +27,18 @@ def export_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="export_hf", description="Export a universal checkpoint "
                                 "(saved on any layout) as a Hugging Face model folder (CPU only).")
     p.add_argument("checkpoint", help="universal save folder or iter_ folder")
-    p.add_argument("output", help="the Hugging Face model folder to write (new or empty)")
+    p.add_argument("output", help="the Hugging Face model folder to write (new or empty), or an empty "
+                   "s3:// or msc:// prefix (written in a staging folder, then uploaded)")
     p.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard")
     p.add_argument("--no-verify", action="store_true", help="skip the block checksums of the tensors read")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--staging-dir", default=None, help="for an output in an object store: the local folder "
+                   "the model folder is written in before its upload (default TMPDIR)")
     a = p.parse_args(argv)
     s = export(a.checkpoint, a.output, a.iteration, a.dtype, a.max_shard_gb * 1e9,
-               not a.no_progress, not a.no_verify)
+               not a.no_progress, not a.no_verify, a.staging_dir)
     print(f"exported iteration {s['iteration']} as {s['family']}: {s['tensors']} tensors in {s['files']} "
           f"files, {s['bytes'] / 1e9:.3f} GB in {s['seconds']:.1f} s ({s['GB/s']:.3f} GB/s) into {s['output']}")
     return 0

@@ -125,8 +125,9 @@ HF_ARGS = ("rotary_base", "norm_epsilon", "max_position_embeddings", "seq_length
 
 
 def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9,
-           progress: bool = True, verify: bool = True) -> dict:
-    """Write the HF model folder of a universal checkpoint; returns a summary."""
+           progress: bool = True, verify: bool = True, staging_dir=None) -> dict:
+    """Write the HF model folder of a universal checkpoint (into an empty object-store prefix:
+    through a local staging folder under `staging_dir`); returns a summary."""
     from tqdm import tqdm
 
     from megatron_ucp.format import inspection
@@ -137,9 +138,18 @@ def export(checkpoint: str, output: str, iteration=None, dtype: str = "fp32", ma
     if not (isinstance(max_shard_bytes, (int, float)) and math.isfinite(max_shard_bytes) and max_shard_bytes >= 1):
         raise ConfigError(f"--max-shard-gb: expected a finite size > 0, got {max_shard_bytes / 1e9!r} GB")
     max_shard_bytes = int(max_shard_bytes)
-    if storage.is_remote(output):
-        raise ConfigError(f"output {output}: export-hf writes a local folder (what from_pretrained reads); "
-                          "give a folder, then copy it to the store (aws s3 sync, msc sync) if wanted")
+    if storage.is_remote(output):  # written in a staging folder, then uploaded (store_staging.py)
+        from megatron_ucp.convert import store_staging
+
+        store_staging.check_empty(output)
+        tmp = store_staging.staging_root(staging_dir)
+        try:
+            local = os.path.join(tmp, "hf")
+            summary = export(checkpoint, local, iteration, dtype, max_shard_bytes, progress, verify)
+            store_staging.upload_folder(local, output, last=("model.safetensors.index.json", "config.json"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dict(summary, output=output)
     output_folder.refuse_inside_checkpoint(output, "output")
     start = time.perf_counter()
     root = iteration_dir(checkpoint, iteration) if iteration is not None else inspection.resolve(checkpoint)

@@ -12,7 +12,9 @@ against the folder's free space before any byte; the copy is removed at the end,
 failure. A torch_dist checkpoint for a store is written into a staging folder and uploaded,
 the tracker last: a reader that follows the tracker (megatron's `--load msc://...` under
 `--enable-msc`, a later download) never finds a partial iteration; a failed upload deletes
-what it uploaded (as store_output.py's publication does).
+what it uploaded (as store_output.py's publication does). An HF model folder for a store
+(export-hf) is written in a staging folder too and uploaded into an empty prefix, its
+config.json last.
 """
 
 import contextlib
@@ -138,3 +140,31 @@ def upload(local: str, output: str, iteration: int, flag: str = "OUT") -> None:
                             f"tracker still names the previous checkpoint): {e}") from e
     finally:
         store_owner.release(root)
+
+
+def check_empty(output: str, flag: str = "output") -> None:
+    """A store prefix for a folder that has no commit protocol of its own (an HF model folder)
+    must hold nothing yet: another model's files beside ours would be read as one model."""
+    if stores.store_for(output).list(output.rstrip("/")):
+        raise ConfigError(f"{flag} {output}: the prefix holds objects already; choose an empty prefix")
+
+
+def upload_folder(local: str, output: str, last=(), flag: str = "output") -> None:
+    """Every file of the folder `local` to the empty store prefix `output`, the names in `last`
+    after all others (what a reader opens first: an HF folder's config.json); a failure
+    deletes what was uploaded."""
+    root, store = output.rstrip("/"), stores.store_for(output)
+    files = sorted(os.path.relpath(os.path.join(d, f), local).replace(os.sep, "/")
+                   for d, _, names in os.walk(local) for f in names)
+    first = [rel for rel in files if rel not in last]
+    check_empty(root, flag)
+    try:
+        tensor_io.in_parallel(lambda rel: store.upload(storage.join(root, rel), os.path.join(local, rel)),
+                              first, getattr(store, "threads", 8))
+        for rel in (r for r in last if r in files):
+            store.upload(storage.join(root, rel), os.path.join(local, rel))
+    except Exception as e:
+        from megatron_ucp.engine import store_save
+
+        store_save.discard(store, root)
+        raise SaveError(f"upload of {local} to {output} failed; what was uploaded is deleted: {e}") from e
