@@ -419,7 +419,7 @@ def logits(step):
 
 def restore_both(step):
     """Issue 46's differential test: a restart from the local tier (`local_argv`: its
-    --local-ckpt-dir, no checkpoint newer in --load) and a restart from the persistent checkpoint
+    --local-ckpt-dir, no checkpoint newer in --load; `hosts`: each rank's pretended node) and a restart from the persistent checkpoint
     of the same iteration (`persistent_argv`), one after the other in this process group, each
     building its model as such a restart does; each rank's state after each (tests/state_probe.py)
     compared bitwise in memory. Returns every rank's differences (none: equal)."""
@@ -440,12 +440,19 @@ def restore_both(step):
                         next_tokens=[b["tokens"] for b in batches],
                         padded_vocab=args.padded_vocab_size)
 
-    with loop.session(step["local_argv"]) as (args, state):
-        tier = checkpointing.open_local_tier(args, state)
-        iteration, consumed = loop.resume(args, state, tier)
-        restored = tier.restored
-        pieces = getattr(tier, "restore_stats", None)
-        local = held(args, state, iteration, consumed)
+    with contextlib.ExitStack() as stack:
+        if step.get("hosts"):  # the host name each rank pretends to run on (the local tier's nodes)
+            import socket
+
+            node = step["hosts"][int(os.environ["RANK"])]
+            stack.callback(setattr, socket, "gethostname", socket.gethostname)
+            socket.gethostname = lambda: node
+        with loop.session(step["local_argv"]) as (args, state):
+            tier = checkpointing.open_local_tier(args, state)
+            iteration, consumed = loop.resume(args, state, tier)
+            restored = tier.restored
+            pieces = getattr(tier, "restore_stats", None)
+            local = held(args, state, iteration, consumed)
     with loop.session(step["persistent_argv"]) as (args, state):
         iteration, consumed = loop.resume(args, state)
         persistent = held(args, state, iteration, consumed)
