@@ -160,11 +160,22 @@ def sent_by(tier, choice) -> set:
     return {saved for sender, _, saved in local_plan.transfers(choice, tier.hosts) if sender == dist.get_rank()}
 
 
-def traffic(received: dict, loads: list, needed: dict = None) -> str:
+def needed(loads) -> dict:
+    """{host: bytes its ranks read of the pieces it lacked, each byte once} of the nodes that
+    lacked any, from each rank's (host, _, {staged piece: merged spans it read})."""
+    spans: dict = {}
+    for host, _, read in loads:
+        for piece, s in read.items():
+            spans.setdefault(host, {}).setdefault(piece, []).append(s)
+    return {host: sum(local_plan.span_bytes(local_plan.merge(np.concatenate(s))) for s in pieces.values())
+            for host, pieces in spans.items()}
+
+
+def traffic(received: dict, loads: list, needed: dict = None, headers: dict = None) -> str:
     """Per node: MB received from other nodes / MB its ranks loaded (from the pieces and from
     their replica groups; a byte two ranks of a node load counts twice); with `needed` {host:
     bytes its ranks read of the pieces it lacked, each byte once}, the exact bytes received /
-    needed of the nodes that received any."""
+    needed of the nodes that received any; with `headers` {host: header bytes received}, those."""
     loaded: dict = {}
     for host, nbytes in loads:
         loaded[host] = loaded.get(host, 0) + nbytes
@@ -173,4 +184,7 @@ def traffic(received: dict, loads: list, needed: dict = None) -> str:
     if needed:
         line += "; bytes received / read of the pieces a node lacked: " + ", ".join(
             f"{host} {received.get(host, 0)} / {needed[host]}" for host in sorted(needed))
+    if headers and any(headers.values()):
+        line += "; headers received: " + ", ".join(
+            f"{host} {n / 1e3:.1f} kB" for host, n in sorted(headers.items()) if n)
     return line

@@ -38,7 +38,6 @@ import os
 import socket
 import time
 
-import numpy as np
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -290,7 +289,7 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
     loads = [None] * dist.get_world_size()  # what each rank loaded: from the pieces, from replicas
     dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged,
                                    {p: local_plan.merge(s) for p, s in source.spans.items()}), group=tier.group)
-    needed = _needed(loads)
+    needed = local_receive.needed(loads)
     tier.restore_stats = {"received": received.get(tier.host, 0), "read": dict(source.touched),
                           "needed": needed.get(tier.host, 0), "headers": headers.get(tier.host, 0)}  # node; rank
     loads = [(host, nbytes) for host, nbytes, _ in loads]
@@ -301,25 +300,10 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
                  f"{marks[2] - marks[1]:.2f}, load with the transfers {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads, needed)}; "
-              f"headers received: {_kb(headers)}){notes}",
+              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads, needed, headers)})"
+              f"{notes}",
               flush=True)
     return result
-
-
-def _needed(loads) -> dict:
-    """{host: bytes its ranks read of the pieces it lacked, each byte once} of the nodes that
-    lacked any, from each rank's (host, _, {staged piece: spans read})."""
-    spans: dict = {}
-    for host, _, read in loads:
-        for piece, s in read.items():
-            spans.setdefault(host, {}).setdefault(piece, []).append(s)
-    return {host: sum(local_plan.span_bytes(local_plan.merge(np.concatenate(s))) for s in pieces.values())
-            for host, pieces in spans.items()}
-
-
-def _kb(by_node: dict) -> str:
-    return ", ".join(f"{host} {n / 1e3:.1f} kB" for host, n in sorted(by_node.items()) if n) or "none"
 
 
 def _open(node_dir: str, iteration: int, checked: dict, crcs: dict, staged: dict):
