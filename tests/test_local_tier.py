@@ -135,6 +135,26 @@ def test_a_new_node_receives_only_the_bytes_its_ranks_read_and_a_kill_meanwhile_
     print(f"node1 received {received} bytes (read {read}) of pieces of {whole} bytes")
 
 
+def test_a_new_node_that_cannot_stage_what_it_receives_falls_back_to_persistent(crashed, tmp_path):
+    """Issue 48: node1 lacks iteration 6 and its staging folder cannot be made (a file holds its
+    name): one line naming node1 and why, then the persistent checkpoint of 5, the losses from
+    6 on the uninterrupted ones."""
+    ref, job = crashed
+    root = tmp_path / "restart"
+    shutil.copytree(job / "ckpt", root / "ckpt")
+    shutil.copytree(job / "local", root / "local")
+    shutil.rmtree(root / "local" / "node1" / "iter_0000006")
+    (root / "local" / "node1" / ".ucp_receiving").write_text("not a folder")
+    r = ok(run_steps(2, [{"name": "restart", "op": "train", "hosts": ["node0", "node1"],
+                          "argv": _argv(root, local_interval=100, save=False)}], root), "restart")
+    lines = [x for x in r["stdout"].splitlines() if "local checkpoint tier: iteration 6 not restored" in x]
+    assert len(lines) == 1 and "staging the received headers on node1 failed" in lines[0], r["stdout"][-3000:]
+    assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(6, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+
+
 def test_corrupt_copy_takes_the_other(crashed, tmp_path):
     """A flipped byte in rank 0's original (node0): the restart (one process per node) takes
     its replica from node1, sent over the job's group, and names the bad file on one line."""
