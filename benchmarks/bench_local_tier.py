@@ -13,10 +13,10 @@ host name node0 or node1 as tests/runner.py pretends them, TP = nproc, distribut
 saves persistently to `--workdir` every 4 iterations (synchronously: the stall is the whole
 save) and to the local tier in `--local-dir` at iterations 2, 6 with one replica on the other
 node (the stall is the in-memory copy; the write and the replicas run in the background). Then
-restarts, each a fresh job of the same size, mostly after node1 is lost (its dir deleted: node1 is a
-new, empty node that receives every piece it lacks from node0): from the local tier
-(iteration 6, newer than the persistent 4 they are pointed at) and from the persistent
-checkpoint 4 alone (its files dropped from the page cache first, as bench_checkpoint.py does:
+restarts, each a fresh job of the same size, mostly after node1 is lost (its dir deleted: node1
+is a new, empty node that receives from node0 the bytes its rank reads of the pieces it
+lacks): from the local tier (iteration 6, newer than the persistent 4 they are pointed at)
+and from the persistent checkpoint 4 alone (its files dropped from the page cache first, as bench_checkpoint.py does:
 read from the disk), on the saving layout (TP = nproc) and on another (PP2 x DP nproc/2); and
 once on the saving layout with no node lost (a process crash: every piece is where it was). The
 recovery time is the loop's own "resumed iteration N in X s"; the local restore's own line

@@ -55,8 +55,8 @@ def train(step):
         stack.enter_context(environment(step.get("env", {})))
         if step.get("kill_after"):
             _kill_after(stack, step["kill_after"], step.get("wait_for", []))
-        if step.get("die_keeping") and int(os.environ["RANK"]) == step["die_keeping"]["rank"]:
-            _die_keeping(stack, step["die_keeping"]["call"])
+        if step.get("die_receiving") and int(os.environ["RANK"]) == step["die_receiving"]["rank"]:
+            _die_receiving(stack, step["die_receiving"]["call"])
         if step.get("hosts"):
             node = step["hosts"][int(os.environ["RANK"])]
             stack.callback(setattr, socket, "gethostname", socket.gethostname)
@@ -124,30 +124,23 @@ def _kill_after(stack, iteration: int, wait_for: list) -> None:
     loop._log = dying
 
 
-def _die_keeping(stack, call: int) -> None:
-    """SIGKILL this process inside the `call`-th local_piece.keep_copy of a restore (a received
-    piece kept as the node's copy): after the piece is renamed into place, before its sidecar."""
+def _die_receiving(stack, call: int) -> None:
+    """SIGKILL this process right after the `call`-th local_receive.stage_spans of a restore
+    (the bytes a node lacked, received and written into a staged piece)."""
     import signal
 
-    from megatron_ucp.format import local_piece
+    from megatron_ucp.engine import local_receive
 
-    original, calls = local_piece.keep_copy, [0]
-    stack.callback(setattr, local_piece, "keep_copy", original)
+    original, calls = local_receive.stage_spans, [0]
+    stack.callback(setattr, local_receive, "stage_spans", original)
 
     def dying(*a, **k):
         calls[0] += 1
-        if calls[0] < call:
-            return original(*a, **k)
-        replace = os.replace
-
-        def replace_then_die(src, dst):
-            replace(src, dst)
+        original(*a, **k)
+        if calls[0] >= call:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        os.replace = replace_then_die
-        return original(*a, **k)
-
-    local_piece.keep_copy = dying
+    local_receive.stage_spans = dying
 
 
 @contextlib.contextmanager
@@ -426,7 +419,7 @@ def logits(step):
 
 def restore_both(step):
     """Issue 46's differential test: a restart from the local tier (`local_argv`: its
-    --local-ckpt-dir, no checkpoint newer in --load) and a restart from the persistent checkpoint
+    --local-ckpt-dir, no checkpoint newer in --load; `hosts`: each rank's pretended node) and a restart from the persistent checkpoint
     of the same iteration (`persistent_argv`), one after the other in this process group, each
     building its model as such a restart does; each rank's state after each (tests/state_probe.py)
     compared bitwise in memory. Returns every rank's differences (none: equal)."""
@@ -447,12 +440,19 @@ def restore_both(step):
                         next_tokens=[b["tokens"] for b in batches],
                         padded_vocab=args.padded_vocab_size)
 
-    with loop.session(step["local_argv"]) as (args, state):
-        tier = checkpointing.open_local_tier(args, state)
-        iteration, consumed = loop.resume(args, state, tier)
-        restored = tier.restored
-        pieces = getattr(tier, "restore_stats", None)
-        local = held(args, state, iteration, consumed)
+    with contextlib.ExitStack() as stack:
+        if step.get("hosts"):  # the host name each rank pretends to run on (the local tier's nodes)
+            import socket
+
+            node = step["hosts"][int(os.environ["RANK"])]
+            stack.callback(setattr, socket, "gethostname", socket.gethostname)
+            socket.gethostname = lambda: node
+        with loop.session(step["local_argv"]) as (args, state):
+            tier = checkpointing.open_local_tier(args, state)
+            iteration, consumed = loop.resume(args, state, tier)
+            restored = tier.restored
+            pieces = getattr(tier, "restore_stats", None)
+            local = held(args, state, iteration, consumed)
     with loop.session(step["persistent_argv"]) as (args, state):
         iteration, consumed = loop.resume(args, state)
         persistent = held(args, state, iteration, consumed)

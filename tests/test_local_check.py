@@ -354,27 +354,3 @@ def test_a_piece_must_still_hold_the_header_that_was_checked(tmp_path):
     with pytest.raises(IntegrityError, match=f"{path}: its header changed after it was checked"):
         local_piece.read_piece(str(tmp_path), 6, 1, len(data), zlib.crc32(data), "0" * 64)
 
-
-def test_received_pieces_are_kept_as_the_nodes_copies(tmp_path):
-    """Issue 48: the pieces a node lacked, received by a restart, become that node's copies of
-    the iteration (pieces, sidecars, marker: the next restart's inventory lists them); a folder
-    of that name the tier did not write for this job is left alone, and why is returned."""
-    from megatron_ucp.engine import local_receive, local_restore
-
-    _save(tmp_path / "n0", 6)
-    found = [local_restore.inventory(str(tmp_path / "n0"), "n0", JOB)]
-    choice = local_plan.choose(found, -1)
-    incoming = {r: Path(local_piece.piece_path(str(tmp_path / "n0"), 6, r)).read_bytes() for r in (0, 1)}
-    crcs = {r: zlib.crc32(data) for r, data in incoming.items()}
-    new = types.SimpleNamespace(node_dir=str(tmp_path / "n1"), host="n1", job=JOB)
-    assert local_receive.keep(new, choice, incoming, crcs, found) is None
-    kept = local_restore.inventory(str(tmp_path / "n1"), "n1", JOB)
-    assert [(it.iteration, it.refused, [(c.rank, c.bad) for c in it.copies]) for it in kept] == \
-        [(6, None, [(0, None), (1, None)])]
-    foreign = tmp_path / "n2" / "iter_0000006"
-    foreign.mkdir(parents=True)
-    (foreign / "notes").write_text("not the tier's")
-    why = local_receive.keep(types.SimpleNamespace(node_dir=str(tmp_path / "n2"), host="n2", job=JOB),
-                             choice, incoming, crcs, found)
-    assert "iter_0000006 exists and is not this job's" in why, why
-    assert sorted(p.name for p in foreign.iterdir()) == ["notes"]

@@ -113,7 +113,8 @@ def _restored(root: Path, sources: dict, targets: dict, extra=None) -> dict:
     """Every target's comparison, one process group per world size (plus the `extra` steps
     {world: [step]} in that group); returns the results of all steps."""
     failures, everything = [], {}
-    for world, pairs in sorted(targets.items()):
+    for world in sorted(set(targets) | set(extra or {})):
+        pairs = targets.get(world, [])
         steps = [restore_step(source, root, sources[source][0], layout) for source, layout in pairs]
         results = run_steps(world, steps + (extra or {}).get(world, []), root / f"restore{world}")
         everything.update(results)
@@ -167,6 +168,36 @@ def _unrecorded_copy(root: Path, source: str) -> Path:
     return copy
 
 
+def _new_node_step(root: Path, source: str, layout, hosts) -> dict:
+    """A restore of `source` on `layout` whose ranks pretend to run on `hosts`, from a copy of
+    its tier held by node0 alone: the other nodes are new and receive what they read."""
+    import shutil
+
+    copy = root / f"{source}_on_node0"
+    if not copy.exists():
+        (saved,) = (root / source / "local").iterdir()
+        shutil.copytree(saved, copy / "node0")
+    step = restore_step(source, root, SOURCES[source][0], layout)
+    step["name"] += f" on {'+'.join(hosts)}"
+    step["hosts"] = hosts
+    step["local_argv"] = [str(copy) if a == str(root / source / "local") else a for a in step["local_argv"]]
+    return step
+
+
+def _received_only_what_is_read(r: dict, hosts, overlapping=False) -> None:
+    """Issue 48: each node that lacked pieces received exactly the bytes its ranks read of them,
+    each once (with overlapping reads on a node: fewer than its ranks read together); node0,
+    which held every piece, nothing."""
+    by_rank = [held["pieces"] for held in r["ranks"]]
+    for rank, (host, pieces) in enumerate(zip(hosts, by_rank)):
+        if host == "node0":
+            assert pieces["received"] == pieces.get("needed", 0) == pieces.get("headers", 0) == 0, (rank, pieces)
+        else:  # the whole-piece path received more than the node's ranks read
+            read = sum(sum(p["read"].values()) for h, p in zip(hosts, by_rank) if h == host)
+            assert pieces["received"] < read if overlapping else pieces["received"] <= read, (rank, pieces, read)
+            assert pieces["received"] == pieces["needed"] > 0 and pieces["headers"] > 0, (rank, pieces)
+
+
 def test_local_restore_is_the_persistent_restore(tmp_path):
     """The default suite's pairs: PP2 to itself (each rank reads its own piece alone), TP1 (one
     process, also as --elastic chooses it), PP2, DP2 with
@@ -189,8 +220,15 @@ def test_local_restore_is_the_persistent_restore(tmp_path):
                 {"name": "fallback", "op": "train", "argv": _base([]) + [
                     "--train-iters", str(K), "--load", older, "--local-ckpt-dir", str(corrupt),
                     "--local-save-interval", "1000"]}]
-    results = _restored(tmp_path, SOURCES, TARGETS, extra={1: [guard] + fallback})
+    # issue 48: new nodes receive only what their ranks read, each byte once per node: PP2 on two
+    # nodes; TP2 x DP2 read per rank on two nodes of two (node1's TP ranks both read the norms)
+    new_node = _new_node_step(tmp_path, "tp2pp2_dist", PP2, ["node0", "node1"])
+    per_rank = _new_node_step(tmp_path, "tp2pp2_dist", TP2 + ["--ckpt-read-policy", "per-rank"],
+                              ["node0", "node0", "node1", "node1"])
+    results = _restored(tmp_path, SOURCES, TARGETS, extra={1: [guard] + fallback, 2: [new_node], 4: [per_rank]})
     _same_layout_reads_its_own_piece(tmp_path, ok(results, "pp2->" + " ".join(PP2)))
+    _received_only_what_is_read(check(results, new_node["name"]), new_node["hosts"])
+    _received_only_what_is_read(check(results, per_rank["name"]), per_rank["hosts"], overlapping=True)
     out = ok(results, "guard")
     assert list(out["losses"]) == ["1"], out["losses"]
     lines = [x for x in out["stdout"].splitlines() if "local checkpoint tier: iteration" in x]
@@ -227,7 +265,8 @@ def _same_layout_reads_its_own_piece(root: Path, restored: dict) -> None:
     assert tied > 0
     want = [{"0": data_bytes(0)}, {"1": data_bytes(1), "0": tied}]
     for rank, held in enumerate(restored["ranks"]):
-        assert held["pieces"] == {"received": 0, "read": want[rank]}, (rank, held["pieces"], want[rank])
+        assert held["pieces"] == {"received": 0, "read": want[rank], "needed": 0, "headers": 0}, \
+            (rank, held["pieces"], want[rank])
 
 
 @pytest.mark.slow

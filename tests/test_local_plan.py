@@ -115,3 +115,46 @@ def test_nodes_disagreeing_on_world_are_skipped():
 
 def test_ranges():
     assert lp._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+spans_lists = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
+                       max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(spans_lists)
+def test_merged_spans_cover_exactly_the_bytes_of_the_spans(spans):
+    """Issue 48: merge is the set union of the spans, as sorted, disjoint, non-touching spans."""
+    merged = lp.merge(spans)
+    covered = {b for s, e in spans for b in range(s, e)}
+    assert {b for s, e in merged.tolist() for b in range(s, e)} == covered
+    assert lp.span_bytes(merged) == len(covered)
+    assert all(e1 < s2 for (_, e1), (s2, _) in zip(merged.tolist(), merged.tolist()[1:]))
+    for s, e in spans:
+        assert lp.within(merged, s, e)
+    for b in set(range(0, 245)) - covered:
+        assert not lp.within(merged, b, b + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters(), st.data())
+def test_each_node_receives_the_union_of_its_ranks_needs_once(hosts, data):
+    """Issue 48: for every piece a node lacks, its leader receives exactly the bytes some rank
+    of that node reads of it (each byte once), whatever the others read."""
+    world = data.draw(st.integers(1, 4))
+    nodes = sorted(set(hosts))
+    holders = {r: sorted(data.draw(st.sets(st.sampled_from(nodes), min_size=1))) for r in range(world)}
+    choice = lp.Choice(1, world, holders)
+    moves = lp.transfers(choice, hosts)
+    needs = [(h, {p: lp.merge(data.draw(spans_lists)) for p in range(world) if data.draw(st.booleans())})
+             for h in hosts]
+    wanted = lp.node_spans(needs, moves, hosts)
+    leaders = lp.leaders(hosts)
+    assert sorted(wanted) == sorted((receiver, saved) for _, receiver, saved in moves)
+    for (receiver, saved), spans in wanted.items():
+        host = hosts[receiver]
+        assert receiver == leaders[host] and host not in holders[saved]
+        read = {b for h, n in needs if h == host for s, e in n.get(saved, lp.merge([])).tolist()
+                for b in range(s, e)}
+        assert {b for s, e in spans.tolist() for b in range(s, e)} == read
+        assert lp.span_bytes(spans) == len(read)  # each byte once

@@ -30,6 +30,7 @@ def _source(tmp_path, checked_crcs=False):
     src = piece_reads.PieceSource.__new__(piece_reads.PieceSource)
     src.where, src.paths, src.metas, src.touched = str(tmp_path), {}, {}, {}
     src.node_dir, src.iteration, src.checked, src.crcs, src.bad, src._checks = str(tmp_path), 1, {}, {}, {}, {}
+    src.staged, src.received, src.spans = {}, {}, {}
     listed = {}
     for rank, r in SHARES.items():
         box = VALUES[r.offset[0]:r.offset[0] + r.shape[0], r.offset[1]:r.offset[1] + r.shape[1]].reshape(-1)
@@ -127,3 +128,32 @@ def test_a_piece_is_checked_at_its_first_read_and_a_damaged_one_is_named(tmp_pat
     unchecked.read_runs("w", layout, "param", runs_of_piece[1], np.zeros(2, np.float32))  # no CRC expected
     assert not unchecked.bad
     unchecked.close()
+
+
+def test_a_staged_piece_serves_the_spans_received_and_refuses_the_rest(tmp_path):
+    """Issue 48: a piece the node lacked is staged as its header in a sparse file of its size,
+    then the byte spans the reads need (as `needs` maps them) written in: the reads find the
+    pieces' values; a read outside the received spans is refused by name, never served zeros."""
+    from megatron_ucp.engine import local_plan, local_receive
+
+    src = _source(tmp_path)
+    layout = _layout()
+    whole = Path(src.paths[1]).read_bytes()
+    node = tmp_path / "new_node"
+    staged = local_receive.stage_header(str(node), 1, whole[:local_receive.header_length(whole)], len(whole))
+    assert os.path.getsize(staged) == len(whole)
+    src.paths[1], src.staged = staged, {1: staged}
+    runs = np.array([(4 + 2, 0, 2)])  # row 1, columns 2-3: in piece 1
+    spans = local_plan.merge([(o, o + 4 * sum(n for _, n in parts))
+                              for p, o, parts in piece_reads._copies(src.index[("w", "param")], runs[:, 0],
+                                                                     runs[:, 1], runs[:, 2], "w")])
+    assert local_plan.span_bytes(spans) == 8
+    local_receive.stage_spans(staged, spans, b"".join(whole[a:b] for a, b in spans.tolist()))
+    src.received = {1: spans}
+    out = np.zeros(2, np.float32)
+    src.read_runs("w", layout, "param", runs, out)
+    assert np.array_equal(out, VALUES[1, 2:])
+    assert src.spans == {1: [tuple(spans[0])]} and src.touched == {1: 8}
+    with pytest.raises(IntegrityError, match=r"rank_00001.part: bytes \[\d+, \d+\) were not received"):
+        src.read_runs("w", layout, "param", [(8 + 2, 0, 2)], out)  # row 2: never received
+    src.close()

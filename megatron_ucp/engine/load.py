@@ -189,6 +189,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
         owned = [n for n in owned if n not in unrequested]
     layouts = Layouts(m.tensors)
     reading = read_plan(tensors, read_policy, with_optim and uses_distributed_optimizer(optimizer))
+    if hasattr(source, "plan_reads"):  # the local tier: a node's ranks' spans of what it lacks, fetched
+        source.plan_reads(m, tensors, reading)
     if not verify and (source is None or checked is not None):
         run_everywhere(check_headers, root, m, tensors, reading, checked)
     plan = hash_plan(root, m, layouts, tensors, reading, owned, checked) if verify else None

@@ -8,6 +8,8 @@ Nodes are host names (`socket.gethostname()`), the ranks of one node the ranks t
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 
 def nodes_of(hosts: Sequence[str]) -> Dict[str, List[int]]:
     """Host name -> its ranks, in rank order; the hosts in the order of their first rank."""
@@ -185,6 +187,48 @@ def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]
             if host not in holding:
                 sender = lead[sorted(h for h in holding if h in lead)[0]]
                 out.append((sender, receiver, rank))
+    return out
+
+
+def merge(spans) -> np.ndarray:
+    """Byte spans [(start, end)] (any order, overlapping or touching) as the sorted, disjoint,
+    non-touching (k, 2) int64 array of [start, end) that covers the same bytes; empty spans
+    dropped."""
+    a = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    a = a[a[:, 1] > a[:, 0]]
+    if not len(a):
+        return a
+    a = a[np.argsort(a[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(a[:, 1])
+    new = np.concatenate([[True], a[1:, 0] > reach[:-1]])
+    starts = a[new, 0]
+    ends = reach[np.concatenate([np.flatnonzero(new)[1:] - 1, [len(a) - 1]])]
+    return np.stack([starts, ends], axis=1)
+
+
+def span_bytes(spans: np.ndarray) -> int:
+    """Bytes of merged spans (merge)."""
+    return int((spans[:, 1] - spans[:, 0]).sum()) if len(spans) else 0
+
+
+def within(spans: np.ndarray, start: int, end: int) -> bool:
+    """Whether bytes [start, end) lie inside merged `spans` (merge)."""
+    if end <= start:
+        return True
+    i = int(np.searchsorted(spans[:, 0], start, side="right")) - 1
+    return i >= 0 and end <= int(spans[i, 1])
+
+
+def node_spans(needs: Sequence[Tuple[str, dict]], moves: Sequence[Tuple[int, int, int]],
+               hosts: Sequence[str]) -> Dict[Tuple[int, int], np.ndarray]:
+    """(receiver rank, saving rank) -> the merged byte spans of that piece the receiver's node
+    gets, for every move of `transfers`: the union of what the node's ranks read of it
+    (`needs[rank]`: (host, {saving rank: spans})), each byte once, nothing else."""
+    out = {}
+    for _, receiver, saved in moves:
+        host = hosts[receiver]
+        parts = [n[saved] for h, n in needs if h == host and saved in n]
+        out[(receiver, saved)] = merge(np.concatenate(parts) if parts else [])
     return out
 
 

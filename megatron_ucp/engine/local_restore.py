@@ -9,12 +9,15 @@
    together they cover every tensor: local_check); the pieces a leader sends to other nodes
    it reads once, no further than that size, checked against their CRC-32; a bad copy makes
    them choose again without it (the next copy, the next iteration).
-3. Each node's leader receives the pieces its node lacks from a node that holds them (each
-   byte once per receiving node) and keeps them in its dir as the node's own copies
-   (local_piece.keep_copy: written beside and renamed, the iteration marked complete on a node
-   that had none: a restart killed here leaves the tier as usable as before, and the next
-   restart reads them locally). No folder is assembled: the pieces the leader checked stay
-   on disk, in the node's page cache, and only those it sends are kept in memory.
+3. Each node's leader receives the header of each piece its node lacks from a node that holds
+   it (the manifest head, the RNG states and the regions are in the headers) and stages it as a
+   sparse file of the piece's size (local_receive.py); the data comes in step 4, once the load's
+   read plan says which bytes the node's ranks read: each node gets the union of its ranks'
+   spans, each byte once, nothing else, written into the staged files. Nothing received is
+   kept: the staging folder is removed after the load and at the start of every restore (a
+   restart killed meanwhile leaves the tier as it was). No folder is assembled: the pieces the
+   leader checked stay on disk, in the node's page cache, and only those it sends are kept in
+   memory (whole: checked against their CRC-32 before any span of them is sent).
 4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
    manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
    needs is read from the pieces that hold it through an index of their runs, nothing else
@@ -227,15 +230,21 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
     here = {r: (copies[r].nbytes, data if isinstance(data, str) else local_receive.digest(data))
             for r, data in held.items()}
     held = {r: data for r, data in held.items() if not isinstance(data, str)}
-    checked, received, refused = run_everywhere(local_receive.receive, tier, choice, held, here, found,
-                                                group=tier.group)
-    held = None
+    checked, staged, headers, refused = run_everywhere(local_receive.headers, tier, choice, held, here, found,
+                                                       group=tier.group)
     marks.append(time.perf_counter())
     source, misfit = None, None
     if refused is None:
         crcs = {r: copies[r].crc32 for r in checked if tier.host in choice.holders.get(r, ()) and r in copies}
-        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, crcs, group=tier.group)
+        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, crcs, staged,
+                                         group=tier.group)
     if source is not None:
+        def fetch(needs):
+            try:
+                return local_receive.fetch(tier, choice, held, staged, needs)
+            finally:
+                held.clear()  # the pieces this node sends: sent
+        source.fetch = fetch
         misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
         misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
     marks.append(time.perf_counter())
@@ -247,6 +256,7 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
                   f"checkpoint ({target})", flush=True)
         if source is not None:
             source.close()
+        local_receive.clear(tier)
         return None
     try:
         result = load_universal(tier.node_dir, state.model, state.optimizer, state.scheduler,
@@ -258,6 +268,13 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
     except ResumeProofError as e:
         source.close()  # before the next iteration's restore opens its own
         return _disproved(tier, args, state, newer_than, reseed, choice.iteration, e)
+    except IncompleteCheckpointError:  # raised on every rank before any tensor was read
+        if source.refused is None:
+            raise
+        if rank == 0:
+            print(f" local checkpoint tier: iteration {choice.iteration} not restored ({source.refused}); "
+                  f"falling back to the persistent checkpoint ({target})", flush=True)
+        return None
     except IntegrityError as e:  # raised on every rank (the load agrees on errors)
         bad = _gathered([(tier.host, choice.iteration, r, why) for r, why in sorted(source.bad.items())], tier.group)
         if not bad:
@@ -266,28 +283,34 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
         return _damaged(tier, args, state, newer_than, reseed, local_plan.mark_bad(found, bad), e)
     finally:
         source.close()
+        local_receive.clear(tier)
+    received = source.received_by_node
     tier.restored = choice.iteration
-    tier.restore_stats = {"received": received[tier.host], "read": dict(source.touched)}  # node; rank
     loads = [None] * dist.get_world_size()  # what each rank loaded: from the pieces, from replicas
-    dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged),
-                           group=tier.group)
+    dist.all_gather_object(loads, (tier.host, sum(source.touched.values()) + result.bytes_exchanged,
+                                   {p: local_plan.merge(s) for p, s in source.spans.items()}), group=tier.group)
+    needed = local_receive.needed(loads)
+    tier.restore_stats = {"received": received.get(tier.host, 0), "read": dict(source.touched),
+                          "needed": needed.get(tier.host, 0), "headers": headers.get(tier.host, 0)}  # node; rank
+    loads = [(host, nbytes) for host, nbytes, _ in loads]
     if rank == 0:
         nodes = sorted({h for hs in choice.holders.values() for h in hs})
         notes = f" ({'; '.join(choice.notes)})" if choice.notes else ""
-        spans = (f"inventory and checks {marks[0] - start:.2f}, transfers {marks[1] - marks[0]:.2f}, index "
-                 f"{marks[2] - marks[1]:.2f}, load {time.perf_counter() - marks[2]:.2f}")
+        spans = (f"inventory and checks {marks[0] - start:.2f}, headers {marks[1] - marks[0]:.2f}, index "
+                 f"{marks[2] - marks[1]:.2f}, load with the transfers {time.perf_counter() - marks[2]:.2f}")
         print(f" local checkpoint tier: restored iteration {choice.iteration} saved on {choice.world} "
               f"ranks from {', '.join(nodes)} in {time.perf_counter() - start:.2f} s ({spans}; persistent: "
-              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads)}){notes}",
+              f"{newer_than if newer_than >= 0 else 'none'}; {local_receive.traffic(received, loads, needed, headers)})"
+              f"{notes}",
               flush=True)
     return result
 
 
-def _open(node_dir: str, iteration: int, checked: dict, crcs: dict):
+def _open(node_dir: str, iteration: int, checked: dict, crcs: dict, staged: dict):
     """(the pieces' reader, None), or (None, why it cannot read them: a piece that changed
     after the leader checked it, a head that is no manifest)."""
     try:
-        return PieceSource(node_dir, iteration, checked, crcs), None
+        return PieceSource(node_dir, iteration, checked, crcs, staged), None
     except (FormatError, IncompleteCheckpointError, IntegrityError, LayoutError) as e:
         return None, str(e)
 

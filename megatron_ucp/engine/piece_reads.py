@@ -13,6 +13,10 @@ checks that the header it indexes is that one (digest and size), and a piece's C
 first time it reads from it: a rank checks only the pieces it reads, the ranks of a node in
 parallel, instead of the leader reading every piece its node holds once more. A piece that
 fails is named in `bad` (the restore takes another copy) and the read raises.
+
+The pieces a node lacks are staged (local_receive.py): a sparse file holding the piece's header,
+into which, once the load's read plan is made (`plan_reads`, called by the load), `fetch` writes
+the byte spans this node's ranks read of it and nothing else; a read outside them is refused.
 """
 
 import dataclasses
@@ -21,8 +25,11 @@ import threading
 
 import numpy as np
 
+from megatron_ucp.engine import local_plan
+from megatron_ucp.engine.collective import run_everywhere
 from megatron_ucp.engine.local_check import head_entries, piece_layout
 from megatron_ucp.engine.planner import part_shapes_of
+from megatron_ucp.engine.reads import file_runs
 from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError, LayoutError
 from megatron_ucp.format import local_piece, manifest as mf
 from megatron_ucp.format.folder import iteration_dir
@@ -32,6 +39,7 @@ from megatron_ucp.format.tensor_entry import file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
 
 F32 = 4
+_NONE = np.zeros((0, 2), dtype=np.int64)
 
 
 class PieceSource:
@@ -40,18 +48,25 @@ class PieceSource:
     CRC-32 its piece must have} (a piece missing there is not checked again: its bytes were
     checked as they were received). `manifest` is rank 0's piece's head, `rng(rank)` a saving
     rank's RNG state, `read_runs` tensor_io.read_runs's interface with the atomic tensor's
-    name in place of the file's path."""
+    name in place of the file's path. `staged` {saving rank: its staged file}: the pieces
+    this node lacks; `fetch(needs)` (set by the restore; collective) gets the spans of them
+    this node's ranks read (local_receive.fetch's interface)."""
 
-    def __init__(self, node_dir: str, iteration: int, checked: dict, crcs: dict = None):
+    def __init__(self, node_dir: str, iteration: int, checked: dict, crcs: dict = None, staged: dict = None):
         self.where = iteration_dir(node_dir, iteration)
         self.node_dir, self.iteration, self.checked = node_dir, iteration, dict(checked)
         self.crcs = dict(crcs or {})
+        self.staged = dict(staged or {})
+        self.fetch, self.refused = None, None
+        self.received: dict = {}  # staged piece -> the merged byte spans its file holds
+        self.received_by_node: dict = {}  # host -> bytes it received (fetch)
+        self.spans: dict = {}  # staged piece -> [(start, end)] this rank read of it
         self.bad: dict = {}  # saving rank -> why its piece failed its CRC-32 here
         self._checks: dict = {}  # saving rank -> the lock its first reader checks it under
         self.paths, self.metas, self.touched = {}, {}, {}
         listed = {}
         for rank, (nbytes, digest) in sorted(checked.items()):
-            path = local_piece.piece_path(node_dir, iteration, rank)
+            path = self.staged.get(rank) or local_piece.piece_path(node_dir, iteration, rank)
             self.metas[rank], listed[rank] = piece_regions(path, nbytes, digest)
             self.paths[rank] = path
         if 0 not in self.metas:
@@ -59,6 +74,36 @@ class PieceSource:
         self.manifest = _manifest(self.metas[0].get("head"), self.paths[0], self.where)
         self.index = _index(listed, part_shapes_of(self.manifest.tensors), self.paths)
         self._fds, self._lock = {}, threading.Lock()
+
+    def plan_reads(self, m, tensors, reading) -> None:
+        """Collective (the load calls it once its read plan `reading` is made, before any
+        tensor is read): the spans of the staged pieces this rank will read, fetched (each
+        node gets its ranks' union). IncompleteCheckpointError on every rank, `refused` set,
+        when a node could not take them."""
+        if self.fetch is None:
+            return
+        needs = run_everywhere(self.needs, m, tensors, reading)
+        self.received, self.received_by_node, self.refused = self.fetch(needs)
+        if self.refused:
+            raise IncompleteCheckpointError(f"{self.where}: {self.refused}")
+
+    def needs(self, m, tensors, reading) -> dict:
+        """{staged piece: merged byte spans} that the reads of `reading` (reads.ReadPlan) make
+        of the staged pieces: the runs read_range reads, mapped through the index as read_runs
+        maps them."""
+        out: dict = {}
+        for i, t in enumerate(tensors):
+            for state, start, stop, _ in reading.reads[i]:
+                for name, runs in file_runs(m.tensors[t.name], t, state, start, stop)[0]:
+                    index = self.index.get((t.name, name))
+                    runs = runs[runs[:, 2] > 0]
+                    if index is None or not len(runs):
+                        continue  # the read itself names what is missing
+                    where = f"{self.where}, tensor {t.name!r} ({name})"
+                    for piece, offset, parts in _copies(index, runs[:, 0], runs[:, 1], runs[:, 2], where):
+                        if piece in self.staged:
+                            out.setdefault(piece, []).append((offset, offset + F32 * sum(n for _, n in parts)))
+        return {piece: local_plan.merge(spans) for piece, spans in out.items()}
 
     def rng(self, rank: int) -> dict:
         """Saving rank `rank`'s RNG state, checked (rng.read's errors, naming its piece)."""
@@ -93,6 +138,11 @@ class PieceSource:
         for piece, offset, parts in _copies(index, f[n > 0], b[n > 0], n[n > 0], where):
             views = [raw[bs * F32:(bs + ln) * F32] for bs, ln in parts]
             want = sum(len(v) for v in views)
+            if piece in self.staged:
+                if not local_plan.within(self.received.get(piece, _NONE), offset, offset + want):
+                    raise IntegrityError(f"{self.paths[piece]}: bytes [{offset}, {offset + want}) were not "
+                                         "received (the read plan and the reads disagree)")
+                mine.setdefault(("spans", piece), []).append((offset, offset + want))
             done, c = vector_io(False, self._fd(piece), views, offset)
             if done != want:
                 raise IntegrityError(f"{self.paths[piece]}: ends inside a region (needed bytes up to "
@@ -101,7 +151,10 @@ class PieceSource:
             mine[piece] = mine.get(piece, 0) + done
         with self._lock:
             for piece, nbytes in mine.items():
-                self.touched[piece] = self.touched.get(piece, 0) + nbytes
+                if isinstance(piece, tuple):
+                    self.spans.setdefault(piece[1], []).extend(nbytes)
+                else:
+                    self.touched[piece] = self.touched.get(piece, 0) + nbytes
             if counter is not None:
                 counter.bytes += total
                 counter.calls += calls

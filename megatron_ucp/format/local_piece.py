@@ -12,8 +12,8 @@ A piece is a valid safetensors file (fp32 tensors "<item>.<state>", no pickle) w
 holds its regions (atomic tensor, part, box, flat range), the saving rank's RNG state and, on
 rank 0's, the manifest head: what a universal save would have written, so that pieces of any
 layout load as a universal checkpoint that reshards (engine/piece_reads.py). A node keeps its
-own ranks' pieces (originals) and other nodes' replicas under the same names, and the pieces a
-restart received (keep_copy).
+own ranks' pieces (originals) and other nodes' replicas under the same names (what a restart
+receives is staged apart and not kept: engine/local_receive.py).
 """
 
 import hashlib
@@ -133,26 +133,6 @@ def write_piece(node_dir: str, iteration: int, rank: int, data: bytes, slot: dic
     atomic_write_bytes(path, data)
     atomic_write_json(sidecar_path(node_dir, iteration, rank),
                       dict(slot or {}, rank=rank, iteration=iteration, bytes=len(data), crc32=crc32(data)))
-
-
-def keep_copy(node_dir: str, iteration: int, rank: int, data: bytes, crc: int, slot: dict) -> None:
-    """A piece received by a restart, kept as this node's copy (it serves the next restart
-    too): the piece, then its sidecar with the CRC-32 the sender's copy was checked against,
-    each written beside and renamed into place, so that a restart killed here leaves either no
-    copy or a whole one. Not fsynced: a copy torn by a power loss fails its CRC-32 and is not
-    used."""
-    path = piece_path(node_dir, iteration, rank)
-    for target, payload in ((path, data), (sidecar_path(node_dir, iteration, rank), json.dumps(
-            dict(slot, rank=rank, iteration=iteration, bytes=len(data), crc32=crc)).encode())):
-        tmp = f"{target}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise
 
 
 def _count(record: dict, key: str, path: str, low: int = 0, high: Optional[int] = None) -> int:
