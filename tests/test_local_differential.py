@@ -336,8 +336,8 @@ def _mlm_saved(python, root: Path, sources: dict) -> None:
 def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
     import json
     import os
-    import subprocess
 
+    import launch
     from harness import REPO, free_port
     from mlm_harness import BASE as MLM_BASE
 
@@ -362,10 +362,9 @@ def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
         (work / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1",
                    UCP_PROBE_SPEC=str(work / "spec.json"))
-        proc = subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                               "-m", "megatron_ucp.megatron_lm", "--cpu", str(REPO / "tests" / "mlm_restore_probe.py")],
-                              env=env, cwd=work, capture_output=True, text=True, timeout=900)
+        proc = launch.run_group(python, world, ["-m", "megatron_ucp.megatron_lm", "--cpu",
+                                                str(REPO / "tests" / "mlm_restore_probe.py")],
+                                env, work, free_port(), 900)
         output = proc.stdout + proc.stderr
         results = json.loads((work / "result.json").read_text()) if (work / "result.json").exists() else {}
         for pair in spec["pairs"]:
