@@ -100,9 +100,10 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "megatron.core", "megatron.cor
 # the workers, waits for them (stopping the rest when one fails, as torchrun does), writes their
 # exit codes to the request's status file, and exits. The zygote answers the supervisor's pid.
 _ZYGOTE = r"""
-import json, os, random, signal, sys, time
+import gc, json, os, random, signal, sys, time
 for name in sys.argv[1:]:
     __import__(name)
+gc.freeze()  # what the imports made is permanent: no collection in a worker walks (or copies) it
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
 
 

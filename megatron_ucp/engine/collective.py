@@ -139,6 +139,11 @@ def _registered_groups() -> list:
     return list(dist.distributed_c10d._world.pg_map)
 
 
+def is_registered(group) -> bool:
+    """Whether `group` is still usable (not destroyed), e.g. one a module kept across sessions."""
+    return group in dist.distributed_c10d._world.pg_map
+
+
 def close_distributed() -> None:
     """Destroy the process groups before the interpreter exits.
 

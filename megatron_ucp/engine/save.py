@@ -24,8 +24,8 @@ from megatron.core import parallel_state
 
 from megatron_ucp import settings
 from megatron_ucp.engine import ownership, proof, store_save
-from megatron_ucp.engine.collective import (all_true, exchange_objects, group_device, on_rank_zero,
-                                            run_everywhere)
+from megatron_ucp.engine.collective import (all_true, exchange_objects, group_device, is_registered,
+                                            on_rank_zero, run_everywhere)
 from megatron_ucp.engine.plan import offer_items
 from megatron_ucp.engine.planner import part_shapes_of, plan_save
 from megatron_ucp.errors import IncompleteCheckpointError, SaveError
@@ -325,9 +325,10 @@ _CHECKPOINT_GROUP = None
 
 def _checkpoint_group():
     """A process group of its own for background saves, so their collectives never interleave
-    with training's on the same communicator. Created collectively on the first async save."""
+    with training's on the same communicator. Created collectively on the first async save,
+    and again after a session that ended destroyed it (collective.groups_of_this_scope)."""
     global _CHECKPOINT_GROUP
-    if _CHECKPOINT_GROUP is None:
+    if _CHECKPOINT_GROUP is None or not is_registered(_CHECKPOINT_GROUP):
         _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
     return _CHECKPOINT_GROUP
 
