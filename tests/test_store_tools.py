@@ -258,10 +258,19 @@ def _manifest(iter_dir: Path) -> dict:
     return json.loads((iter_dir / "ucp.json").read_text())
 
 
-def _refusing_gets(faults, texts):
-    """A 503 on every GET of objects the command must not download."""
-    for text in texts:
+def _from_store(faults, not_read, tmp_path, run):
+    """`run(staging_dir)` with a 503 on every GET of the objects named by `not_read` (the
+    command must not download them); the staging folder is left empty. Returns run's result."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    for text in not_read:
         faults.add("GET", text, "503")
+    try:
+        result = run(str(staging))
+    finally:
+        faults.clear()
+    assert not list(staging.iterdir()), "the staging copy is left behind"
+    return result
 
 
 def test_import_hf_from_the_store_equals_the_import_on_disk(stored, tmp_path):
@@ -270,15 +279,8 @@ def test_import_hf_from_the_store_equals_the_import_on_disk(stored, tmp_path):
     _upload(client, hf, "hf_src")
     client.put_object(Bucket=BUCKET, Key="hf_src/pytorch_model.bin", Body=b"not read")  # other weights, a subfolder
     client.put_object(Bucket=BUCKET, Key="hf_src/original/consolidated.00.pth", Body=b"not read")
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    _refusing_gets(faults, ["pytorch_model.bin", "consolidated"])
-    try:
-        s3 = import_(f"s3://{BUCKET}/hf_src", str(tmp_path / "from_s3"), progress=False, prove=False,
-                     staging_dir=str(staging))
-    finally:
-        faults.clear()
-    assert not list(staging.iterdir()), "the staging copy is left behind"
+    s3 = _from_store(faults, ["pytorch_model.bin", "consolidated"], tmp_path, lambda staging: import_(
+        f"s3://{BUCKET}/hf_src", str(tmp_path / "from_s3"), progress=False, prove=False, staging_dir=staging))
     import_(str(hf), str(tmp_path / "from_disk"), progress=False, prove=False)
     it = Path(s3["output"]).name
     assert _tensor_bytes(tmp_path / "from_s3" / it) == _tensor_bytes(tmp_path / "from_disk" / it)
@@ -304,15 +306,8 @@ def test_convert_from_the_store_downloads_the_tracked_iteration(stored, tmp_path
     src = _fsdp_save_prefix(tmp_path / "src")
     _upload(client, src, "fsdp")
     client.put_object(Bucket=BUCKET, Key="fsdp/iter_0000002/__0_0.distcp", Body=b"an older iteration, not read")
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    _refusing_gets(faults, ["iter_0000002"])
-    try:
-        s3 = convert(f"s3://{BUCKET}/fsdp", str(tmp_path / "from_s3"), progress=False, prove=False,
-                     staging_dir=str(staging))
-    finally:
-        faults.clear()
-    assert not list(staging.iterdir()), "the staging copy is left behind"
+    s3 = _from_store(faults, ["iter_0000002"], tmp_path, lambda staging: convert(
+        f"s3://{BUCKET}/fsdp", str(tmp_path / "from_s3"), progress=False, prove=False, staging_dir=staging))
     disk = convert(str(src), str(tmp_path / "from_disk"), progress=False, prove=False)
     it = Path(disk["output"]).name
     assert s3["iteration"] == disk["iteration"] and s3["tensors"] == disk["tensors"] > 0
@@ -322,6 +317,7 @@ def test_convert_from_the_store_downloads_the_tracked_iteration(stored, tmp_path
     on_disk.pop("source")
     assert on_s3 == on_disk
     # the iteration prefix itself (no tracker) converts the same, into the store too
+    staging = tmp_path / "staging"  # _from_store's, empty again
     convert(f"s3://{BUCKET}/fsdp/{it}", f"s3://{BUCKET}/fsdp_ucp", progress=False, prove=False,
             staging_dir=str(staging))
     assert {k: _read(client, f"fsdp_ucp/{k}") for k in _objects(client, "fsdp_ucp") if k.startswith(f"{it}/tensors/")} \
