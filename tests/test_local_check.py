@@ -150,9 +150,9 @@ def test_a_hostile_copy_is_named_and_never_used(group, node, case):
     assert named in line, line
     assert "\n" not in line
     assert sorted(held) == [0, 1]
-    for rank, data in held.items():  # what is restored is iteration 4's own pieces
-        meta, regions = local_piece.decode(data, "p")
-        assert (meta["iteration"], meta["rank"], meta["job"]) == (4, rank, JOB)
+    for rank, digest in held.items():  # what is restored is iteration 4's own pieces, their headers checked
+        meta, _, _, _, found = local_piece.read_header(local_piece.piece_path(str(node), 4, rank))
+        assert (meta["iteration"], meta["rank"], meta["job"], found) == (4, rank, JOB, digest)
 
 
 def test_a_lying_sidecar_does_not_make_a_sparse_file_read(group, node, monkeypatch):
@@ -164,10 +164,11 @@ def test_a_lying_sidecar_does_not_make_a_sparse_file_read(group, node, monkeypat
         f.write(data)
         f.truncate(3 * 2**30)
     record = json.loads(path.with_suffix(".json").read_text())
-    path.with_suffix(".json").write_text(json.dumps(dict(record, bytes=3 * 2**30)))
-    reads = []
-    original = local_piece.read_bounded
+    path.with_suffix(".json").write_text(json.dumps(dict(record, bytes=3 * 2**30, chunk_bytes=2**30,
+                                                         chunk_crc32=[0, 0, 0])))
+    reads, original, chunked = [], local_piece.read_bounded, local_piece.read_chunks
     monkeypatch.setattr(local_piece, "read_bounded", lambda p, *a: reads.append(p) or original(p, *a))
+    monkeypatch.setattr(local_piece, "read_chunks", lambda fd, p, *a: reads.append(p) or chunked(fd, p, *a))
     start = time.perf_counter()
     choice, _ = _restore_choice(node)
     assert choice.iteration == 4 and time.perf_counter() - start < 10

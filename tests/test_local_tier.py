@@ -8,6 +8,7 @@ to an uninterrupted run's.
 """
 
 import json
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -164,7 +165,8 @@ def test_corrupt_copy_takes_the_other(crashed, tmp_path):
     assert sorted(resumed) == list(range(7, ITERS + 1))
     assert max_loss_delta(ref, resumed) <= 1e-4
     lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier: restored" in line]
-    assert len(lines) == 1 and "node0/iter_0000006/rank_00000.safetensors: CRC-32" in lines[0], r["stdout"]
+    assert len(lines) == 1 and "node0/iter_0000006/rank_00000.safetensors: bytes [" in lines[0], r["stdout"]
+    assert "CRC-32" in lines[0]
 
 
 def test_both_copies_bad_fall_back_to_persistent(crashed, tmp_path):
@@ -181,8 +183,44 @@ def test_both_copies_bad_fall_back_to_persistent(crashed, tmp_path):
     lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier:" in line and "falling back" in line]
     assert len(lines) == 1, r["stdout"]
     for node in ("node0", "node1"):
-        assert f"{node}/iter_0000006/rank_00000.safetensors: CRC-32" in lines[0]
+        assert re.search(rf"{node}/iter_0000006/rank_00000.safetensors: bytes \[\d+, \d+\) \(chunk \d+\): CRC-32",
+                         lines[0]), lines[0]
     assert "no sound copy of the pieces of ranks 0" in lines[0]
+    assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
+
+
+def _rechunk(local: Path, node: str, rank: int, chunk: int, iteration: int = 6) -> None:
+    """Rank `rank`'s sidecar on `node` recording the CRC-32s of `chunk`-byte chunks of its piece
+    (the pieces of this small model are one default chunk each): what a large piece's is."""
+    sidecar = local / node / f"iter_{iteration:07d}" / f"rank_{rank:05d}.json"
+    data = _piece(local, node, rank, iteration).read_bytes()
+    record = json.loads(sidecar.read_text())
+    record.update(chunk_bytes=chunk, chunk_crc32=[zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)])
+    sidecar.write_text(json.dumps(record))
+
+
+def test_a_copy_damaged_past_its_header_is_found_by_its_sender_as_it_streams(crashed, tmp_path):
+    """node1 is lost; node0's replica of rank 3's piece (what node1's rank reads) has a byte
+    flipped in its middle, recorded in 4 kB chunks: the headers go (their chunks are sound),
+    then node0 finds the bad chunk as it streams the spans node1 reads, before any tensor is
+    loaded; every rank drops that copy, and with no other one (iteration 4 is older than the
+    persistent 5) the restart loads the persistent checkpoint, after one line naming the
+    chunk's bytes."""
+    def damage(local):
+        shutil.rmtree(local / "node1")
+        _rechunk(local, "node0", 3, 4096)
+        _flip_byte(_piece(local, "node0", 3))
+
+    ref, r = _restart(crashed, tmp_path, ["node0", "node1"], damage=damage)
+    resumed = {int(k): v for k, v in r["losses"].items()}
+    assert sorted(resumed) == list(range(PERSISTENT + 1, ITERS + 1))
+    assert max_loss_delta(ref, resumed) <= 1e-4
+    lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier:" in line and "falling back" in line]
+    assert len(lines) == 1, r["stdout"]
+    size = _piece(crashed[1] / "local", "node0", 3).stat().st_size
+    at = size // 2 // 4096 * 4096
+    assert f"node0/iter_0000006/rank_00003.safetensors: bytes [{at}, {min(at + 4096, size)}) (chunk {at // 4096}): " \
+        "CRC-32" in lines[0], lines[0]
     assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
 
 
@@ -414,8 +452,9 @@ def _sparse_with_lying_sidecar(local: Path) -> None:
     path = _piece(local, "node0", 0)
     with open(path, "r+b") as f:
         f.truncate(3 * 2**30)
-    side = path.with_suffix(".json")
-    side.write_text(json.dumps(dict(json.loads(side.read_text()), bytes=3 * 2**30)))
+    side = path.with_suffix(".json")  # a sidecar consistent with the size it claims
+    side.write_text(json.dumps(dict(json.loads(side.read_text()), bytes=3 * 2**30, chunk_bytes=2**30,
+                                    chunk_crc32=[0, 0, 0])))
 
 
 # damage to the killed job's tiers -> (restored from: 6 = the other node's sound copies, 5 = the

@@ -2,6 +2,7 @@
 pieces' runs serves a universal load's reads of any slice, from the pieces that hold it and
 nothing else; runs that span pieces are split, runs adjacent in a piece merged into one read."""
 
+import json
 import os
 import threading
 import zlib
@@ -9,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from megatron_ucp.engine import piece_reads
-from megatron_ucp.errors import IncompleteCheckpointError, IntegrityError
+from megatron_ucp.engine import local_plan, local_receive, piece_reads
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError
 from megatron_ucp.format import local_piece
 from megatron_ucp.format.layout import Region
 from megatron_ucp.format.tensor_entry import TensorEntry, file_layout
@@ -23,13 +26,15 @@ SHARES = {0: Region("", (0, 0), (6, 2), 0, 12), 1: Region("", (0, 2), (3, 2), 0,
 VALUES = np.arange(24, dtype=np.float32).reshape(SHAPE) + 0.5
 
 
-def _source(tmp_path, checked_crcs=False):
+def _source(tmp_path, chunk=None):
     """A PieceSource over three pieces of "w" (param and exp_avg = -param) of iteration 1 in
     tmp_path, their headers indexed as the restore indexes them (the manifest head is not needed
-    here); `checked_crcs`: each piece's CRC-32 is checked at its first read."""
+    here); `chunk`: each piece's chunks of that many bytes are checked against their CRC-32s
+    at their first read."""
     src = piece_reads.PieceSource.__new__(piece_reads.PieceSource)
     src.where, src.paths, src.metas, src.touched = str(tmp_path), {}, {}, {}
-    src.node_dir, src.iteration, src.checked, src.crcs, src.bad, src._checks = str(tmp_path), 1, {}, {}, {}, {}
+    src.node_dir, src.iteration, src.checked, src.sums, src.bad, src._checks = str(tmp_path), 1, {}, {}, {}, {}
+    src._ok, src._buf = {}, threading.local()
     src.staged, src.received, src.spans = {}, {}, {}
     listed = {}
     for rank, r in SHARES.items():
@@ -41,8 +46,8 @@ def _source(tmp_path, checked_crcs=False):
         src.paths[rank] = str(path)
         src.metas[rank], listed[rank] = piece_reads.piece_regions(str(path), len(data))
         src.checked[rank] = (len(data), None)
-        if checked_crcs:
-            src.crcs[rank] = zlib.crc32(data)
+        if chunk:
+            src.sums[rank] = (chunk, [zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)])
     src.index = piece_reads._index(listed, {("w", ""): SHAPE}, src.paths)
     src._fds, src._lock = {}, threading.Lock()
     return src
@@ -103,29 +108,36 @@ def test_a_piece_that_changed_after_its_check_is_refused(tmp_path):
         piece_reads.piece_regions(str(path), len(data))
 
 
-def test_a_piece_is_checked_at_its_first_read_and_a_damaged_one_is_named(tmp_path):
-    """The restore no longer has the node's leader read every piece: each rank checks the
-    CRC-32 of a piece the first time it reads from it. A damaged byte in piece 1 fails the
-    first read of piece 1 (and every later one), names the piece, lands in `bad` (the restore
-    takes another copy); piece 0 still reads; without an expected CRC nothing is checked."""
-    src = _source(tmp_path, checked_crcs=True)
+def test_a_chunk_is_checked_at_its_first_read_and_a_damaged_one_is_named(tmp_path):
+    """Each rank checks the CRC-32 of a piece's chunk the first time it reads from it, and only
+    the chunks it reads. With 8-byte chunks (two elements; the data starts 8-aligned), a
+    damaged element of row 1 in piece 1 leaves row 0 of piece 1 readable, fails the read of
+    row 1 naming the piece and the chunk's bytes, lands in `bad` (the restore takes another
+    copy) and fails every later read of piece 1; piece 0 still reads; without chunk sums
+    nothing is checked."""
+    src = _source(tmp_path, chunk=8)
     layout = _layout()
     path = Path(src.paths[1])
     raw = bytearray(path.read_bytes())
-    raw[-3] ^= 0x40  # an exp_avg element of piece 1: the header is intact
+    (_, offset, _), = piece_reads._copies(src.index[("w", "param")], np.array([SHAPE[1] + 2]), np.array([0]),
+                                          np.array([2]), "w")  # row 1, columns 2-3: piece 1
+    raw[offset + 1] ^= 0x40
     path.write_bytes(bytes(raw))
-    runs_of_piece = {0: [(0, 0, 2)], 1: [(2, 0, 2)]}  # row 0's columns 0-1 (piece 0), 2-3 (piece 1)
     out = np.zeros(2, np.float32)
-    src.read_runs("w", layout, "param", runs_of_piece[0], out)
+    src.read_runs("w", layout, "param", [(2, 0, 2)], out)  # row 0, columns 2-3: its own chunk
+    assert np.array_equal(out, VALUES[0, 2:])
+    src.read_runs("w", layout, "param", [(0, 0, 2)], out)  # piece 0
     assert np.array_equal(out, VALUES[0, :2])
-    for _ in range(2):
-        with pytest.raises(IntegrityError, match=r"rank_00001\.safetensors: CRC-32 .* differs"):
-            src.read_runs("w", layout, "param", runs_of_piece[1], np.zeros(2, np.float32))
+    with pytest.raises(IntegrityError, match=rf"rank_00001\.safetensors: bytes \[{offset}, {offset + 8}\) "
+                                             r"\(chunk \d+\): CRC-32 .* differs"):
+        src.read_runs("w", layout, "param", [(SHAPE[1] + 2, 0, 2)], np.zeros(2, np.float32))
     assert list(src.bad) == [1] and "CRC-32" in src.bad[1]
+    with pytest.raises(IntegrityError, match="CRC-32"):  # the copy is bad: no read of it counts
+        src.read_runs("w", layout, "exp_avg", [(2, 0, 2)], np.zeros(2, np.float32))
     src.close()
     unchecked = _source(tmp_path / "plain")
     Path(unchecked.paths[1]).write_bytes(bytes(raw))
-    unchecked.read_runs("w", layout, "param", runs_of_piece[1], np.zeros(2, np.float32))  # no CRC expected
+    unchecked.read_runs("w", layout, "param", [(SHAPE[1] + 2, 0, 2)], np.zeros(2, np.float32))  # no sums
     assert not unchecked.bad
     unchecked.close()
 
@@ -134,8 +146,6 @@ def test_a_staged_piece_serves_the_spans_received_and_refuses_the_rest(tmp_path)
     """Issue 48: a piece the node lacked is staged as its header in a sparse file of its size,
     then the byte spans the reads need (as `needs` maps them) written in: the reads find the
     pieces' values; a read outside the received spans is refused by name, never served zeros."""
-    from megatron_ucp.engine import local_plan, local_receive
-
     src = _source(tmp_path)
     layout = _layout()
     whole = Path(src.paths[1]).read_bytes()
@@ -148,7 +158,9 @@ def test_a_staged_piece_serves_the_spans_received_and_refuses_the_rest(tmp_path)
                               for p, o, parts in piece_reads._copies(src.index[("w", "param")], runs[:, 0],
                                                                      runs[:, 1], runs[:, 2], "w")])
     assert local_plan.span_bytes(spans) == 8
-    local_receive.stage_spans(staged, spans, b"".join(whole[a:b] for a, b in spans.tolist()))
+    fd = os.open(staged, os.O_WRONLY)
+    local_receive.stage_spans(fd, staged, spans.tolist(), b"".join(whole[a:b] for a, b in spans.tolist()))
+    os.close(fd)
     src.received = {1: spans}
     out = np.zeros(2, np.float32)
     src.read_runs("w", layout, "param", runs, out)
@@ -157,3 +169,64 @@ def test_a_staged_piece_serves_the_spans_received_and_refuses_the_rest(tmp_path)
     with pytest.raises(IntegrityError, match=r"rank_00001.part: bytes \[\d+, \d+\) were not received"):
         src.read_runs("w", layout, "param", [(8 + 2, 0, 2)], out)  # row 2: never received
     src.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 300)), max_size=20), st.integers(1, 700))
+def test_messages_carry_the_spans_in_order_each_at_most_a_window(raw, window):
+    """Both ends of a transfer cut a piece's spans into the same messages: together exactly the
+    spans' bytes, in order, each message `window` bytes but the last."""
+    spans = local_plan.merge([(a, a + n) for a, n in raw])
+    msgs = local_receive.messages(spans, window)
+    sizes = [sum(b - a for a, b in parts) for parts in msgs]
+    assert all(n == window for n in sizes[:-1]) and all(0 < n <= window for n in sizes)
+    flat = [p for parts in msgs for p in parts]
+    assert local_plan.merge(flat).tolist() == spans.tolist()
+    assert [a for a, _ in flat] == sorted(a for a, _ in flat)
+    assert sum(sizes) == local_plan.span_bytes(spans)
+
+
+def test_chunk_sums_cover_every_byte_and_a_sidecar_is_checked(tmp_path, monkeypatch):
+    """A piece's sidecar records a CRC-32 per chunk: each chunk reads back alone, a flipped
+    byte fails exactly its chunk (named with its bytes); a sidecar whose chunk sums do not fit
+    its size is refused by name; one without chunks (an older release's) is one chunk."""
+    monkeypatch.setattr(local_piece, "CHUNK_BYTES", 64)
+    data = local_piece.encode([("w", Region("", (0,), (60,), 0, 60))], [{"param": np.arange(60, dtype=np.float32)}], {})
+    local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
+    record = local_piece.sidecar(str(tmp_path), 3, 1)
+    chunks = -(-len(data) // 64)
+    assert record["chunk_bytes"] == 64 and len(record["chunk_crc32"]) == chunks > 3
+    path = local_piece.piece_path(str(tmp_path), 3, 1)
+
+    def read(i, raw):
+        Path(path).write_bytes(raw)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return bytes(local_piece.read_chunks(fd, path, len(data), 64, record["chunk_crc32"], i, i + 1,
+                                                 bytearray(64)))
+        finally:
+            os.close(fd)
+
+    assert b"".join(read(i, data) for i in range(chunks)) == data
+    for at in (3, len(data) // 2, len(data) - 1):
+        raw = bytearray(data)
+        raw[at] ^= 1
+        bad = at // 64
+        with pytest.raises(IntegrityError, match=rf"{path}: bytes \[{bad * 64}, {min(bad * 64 + 64, len(data))}\) "
+                                                 rf"\(chunk {bad}\): CRC-32"):
+            read(bad, bytes(raw))
+        assert read((bad + 1) % chunks, bytes(raw)) == data[(bad + 1) % chunks * 64:][:64]
+    Path(path).write_bytes(data[:-5])  # shorter than its sidecar says
+    with pytest.raises(IntegrityError, match=f"{path}: ends at byte {len(data) - 5}, its sidecar says {len(data)}"):
+        read(chunks - 1, data[:-5])
+    side = Path(local_piece.sidecar_path(str(tmp_path), 3, 1))
+    for forged in ({"chunk_crc32": record["chunk_crc32"][1:]}, {"chunk_crc32": ["x"] * chunks},
+                   {"chunk_bytes": 0}, {"chunk_crc32": None}):
+        side.write_text(json.dumps(dict(record, **forged)))
+        with pytest.raises(FormatError, match=f"{side}: 'chunk_"):
+            local_piece.sidecar(str(tmp_path), 3, 1)
+    old = {k: v for k, v in record.items() if not k.startswith("chunk_")}
+    side.write_text(json.dumps(old))
+    assert local_piece.sidecar(str(tmp_path), 3, 1) == dict(old, chunk_bytes=len(data), chunk_crc32=[zlib.crc32(data)])
+    assert local_piece.chunk_bytes_for(64 * local_piece.MAX_CHUNKS) == 64
+    assert local_piece.chunk_bytes_for(64 * local_piece.MAX_CHUNKS + 1) == 128

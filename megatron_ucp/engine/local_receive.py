@@ -8,21 +8,26 @@ sparse file of the piece's size in the node's staging folder (STAGING: removed a
 every restore, so that a restart killed meanwhile leaves the tier as it was). Then, once the
 load's read plan is made (piece_reads.PieceSource.plan_reads), the data (`fetch`): every rank's
 byte spans of those pieces, gathered; each receiving node gets the union of its ranks' spans
-(local_plan.node_spans: each byte once per node), written into the staged files at their
-offsets, from which its ranks read them as from the pieces. The sender read and checked each
-piece it sends whole against its CRC-32 before (a partial piece cannot be checked); nothing
-received is kept as a copy of the tier.
+(local_plan.node_spans: each byte once per node), streamed in messages of WINDOW bytes (two in
+flight: the sender fills one while the other travels, the receiver writes one while the next
+arrives) into the staged files at their offsets, from which its ranks read them as from the
+pieces. The sender reads only the chunks of the bytes it sends, each checked against its
+CRC-32 (local_piece.read_chunks) before any byte of it goes, through buffers reused across
+messages: no piece is held in memory. Nothing received is kept as a copy of the tier.
 """
 
 import os
 import shutil
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from megatron_ucp.engine import local_plan
 from megatron_ucp.engine.local_tier import exchange_bytes
+from megatron_ucp.errors import FormatError, IncompleteCheckpointError, IntegrityError
 from megatron_ucp.format import local_piece
+from megatron_ucp.format.safe_files import open_regular
 
 STAGING = ".ucp_receiving"  # in a node dir: what a restore received, for the length of its load
 
@@ -46,17 +51,26 @@ def header_length(data) -> int:
     return 8 + int.from_bytes(bytes(data[:8]), "little") if len(data) >= 8 else len(data)
 
 
-def headers(tier, choice, held: dict, here: dict, found) -> tuple:
+def headers(tier, choice, here: dict, found) -> tuple:
     """Collective: every node's leader receives the header of each piece its node lacks from
-    the node that holds it and stages it (`stage_header`). `held`: the pieces this leader
-    sends (whole, checked); `here`: {saving rank: (bytes, header digest)} of those this node
-    checked. Returns ({saving rank: (bytes, header digest)} of every piece this node reads,
-    {saving rank: its staged file}, {host: header bytes it received}, why a node cannot stage
-    them or None), the same on every rank of a node."""
+    the node that holds it and stages it (`stage_header`); the sender reads it through the
+    piece's chunks' CRC-32s and checks it is the header its node checked. `here`: {saving rank:
+    (bytes, header digest)} of the pieces this node holds. Returns ({saving rank: (bytes,
+    header digest)} of every piece this node reads, {saving rank: its staged file}, {host:
+    header bytes it received}, why a node cannot stage them or None, [(host, iteration, saving
+    rank, why)] of the copies a sender found bad), the same on every rank of a node."""
     rank = dist.get_rank()
     moves = local_plan.transfers(choice, tier.hosts)
-    sends = [(receiver, memoryview(held[saved])[:header_length(held[saved])])
-             for sender, receiver, saved in moves if sender == rank]
+    mine = local_plan.held_copies(found, choice.iteration, tier.host)
+    sends, bad = [], []
+    for sender, receiver, saved in moves:
+        if sender == rank:
+            try:
+                head = _checked_header(tier.node_dir, choice.iteration, saved, mine[saved], here[saved][1])
+            except IntegrityError as e:
+                bad.append((tier.host, choice.iteration, saved, str(e)))
+                head = b""  # the receiver hears of it below
+            sends.append((receiver, head))
     receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
     clear(tier)
     received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
@@ -65,17 +79,50 @@ def headers(tier, choice, held: dict, here: dict, found) -> tuple:
         for i, (sender, saved) in enumerate(receiving):
             size = local_plan.held_copies(found, choice.iteration, tier.hosts[sender])[saved].nbytes
             nbytes += len(received[i])
+            if not len(received[i]):
+                continue  # its sender found it bad
             try:
                 staged[saved] = stage_header(tier.node_dir, saved, received[i], size)
             except OSError as e:
                 refused = refused or f"staging the received headers on {tier.host} failed ({e})"
             checked[saved] = (size, digest(received[i]))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tier.host, checked, staged, nbytes, refused) if tier.leader else None,
+    dist.all_gather_object(everyone, ((tier.host, checked, staged, nbytes, refused) if tier.leader else None, bad),
                            group=tier.group)
-    mine = next(x for x in everyone if x is not None and x[0] == tier.host)
-    by_node = {x[0]: x[3] for x in everyone if x is not None}
-    return mine[1], mine[2], by_node, next((x[4] for x in everyone if x is not None and x[4]), None)
+    bad = [b for _, rank_bad in everyone for b in rank_bad]
+    everyone = [x for x, _ in everyone if x is not None]
+    mine = next(x for x in everyone if x[0] == tier.host)
+    by_node = {x[0]: x[3] for x in everyone}
+    return mine[1], mine[2], by_node, next((x[4] for x in everyone if x[4]), None), bad
+
+
+def _checked_header(node_dir: str, iteration: int, rank: int, copy, expected: str) -> bytes:
+    """The header of this node's copy of saving rank `rank`'s piece (its 8-byte length
+    included), read through the chunks that hold it, each checked against its CRC-32, and equal
+    to the header checked before (digest `expected`): IntegrityError naming the piece otherwise."""
+    path = local_piece.piece_path(node_dir, iteration, rank)
+    fd = _open_piece(path)
+    try:
+        buf = bytearray(copy.chunk_bytes)
+        data = local_piece.read_chunks(fd, path, copy.nbytes, copy.chunk_bytes, copy.chunk_crc32, 0, 1, buf)
+        n = header_length(data)
+        if n > len(data):  # a header beyond the first chunk
+            last = local_piece.chunk_range(copy.chunk_bytes, 0, min(n, copy.nbytes))[1]
+            data = local_piece.read_chunks(fd, path, copy.nbytes, copy.chunk_bytes, copy.chunk_crc32, 0, last,
+                                           bytearray(last * copy.chunk_bytes))
+        header = bytes(data[:n])
+    finally:
+        os.close(fd)
+    if digest(header) != expected:
+        raise IntegrityError(f"{path}: its header changed after it was checked")
+    return header
+
+
+def _open_piece(path: str) -> int:
+    try:
+        return open_regular(path, "local-tier piece")
+    except (FormatError, IncompleteCheckpointError) as e:
+        raise IntegrityError(f"{path}: unreadable ({e})") from None
 
 
 def stage_header(node_dir: str, rank: int, header, size: int) -> str:
@@ -92,72 +139,179 @@ def stage_header(node_dir: str, rank: int, header, size: int) -> str:
     return path
 
 
-def stage_spans(path: str, spans: np.ndarray, data) -> None:
-    """The bytes of merged `spans` of a staged piece, `data` their concatenation, written at
-    their offsets."""
-    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        view, pos = memoryview(data), 0
-        for start, end in spans.tolist():
-            n = end - start
-            if os.pwrite(fd, view[pos:pos + n], start) != n:
-                raise OSError(f"{path}: short write at byte {start}")
-            pos += n
-    finally:
-        os.close(fd)
+WINDOW = 16 * 2**20  # bytes per message of a piece's spans (two in flight per transfer)
 
 
-def fetch(tier, choice, held: dict, staged: dict, needs: dict) -> tuple:
+def messages(spans: np.ndarray, window: int = WINDOW) -> list:
+    """Pure: merged `spans` cut, in order, into messages of at most `window` bytes: [[(start,
+    end)]]. Both ends compute them from the spans: no sizes travel."""
+    out, parts, room = [], [], window
+    for start, end in spans.tolist():
+        while start < end:
+            take = min(end - start, room)
+            parts.append((start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                out.append(parts)
+                parts, room = [], window
+    if parts:
+        out.append(parts)
+    return out
+
+
+def fetch(tier, choice, found, staged: dict, needs: dict, bad: dict) -> tuple:
     """Collective, once the load's read plan is made: `needs` {saving rank: merged byte spans}
     this rank reads of the staged pieces; each receiving node gets the union of its ranks'
-    spans from the node that sends it the piece, written into its staged files. Returns
-    ({saving rank: spans this node received}, {host: bytes it received}, why a node could not
-    take them or None), the same on every rank of a node."""
+    spans from the node that sends it the piece, streamed (`_send`, `_receive`) into its staged
+    files. A sender reads and checks only the chunks of the bytes it sends; a chunk that fails
+    puts its copy in `bad` {saving rank: why} on the sender. Returns ({saving rank: spans this
+    node received}, {host: bytes it received}, why a node could not take them or None, why a
+    sender's copy failed or None), the same on every rank of a node."""
     rank = dist.get_rank()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (tier.host, needs), group=tier.group)
     moves = local_plan.transfers(choice, tier.hosts)
     wanted = local_plan.node_spans(everyone, moves, tier.hosts)
-    sends = [(receiver, _cut(held[saved], wanted[(receiver, saved)]))
-             for sender, receiver, saved in moves if sender == rank]
-    receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
-    received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
-    sends = None
-    refused, nbytes = None, 0
-    for i, (_, saved) in enumerate(receiving):
-        spans = wanted[(rank, saved)]
-        nbytes += len(received[i])
-        if len(received[i]) != local_plan.span_bytes(spans):
-            refused = refused or (f"{tier.host} received {len(received[i])} bytes of rank {saved}'s piece, "
-                                  f"expected {local_plan.span_bytes(spans)}")
-            continue
-        try:
-            stage_spans(staged[saved], spans, received[i])
-        except OSError as e:
-            refused = refused or f"staging the received bytes on {tier.host} failed ({e})"
+    mine = local_plan.held_copies(found, choice.iteration, tier.host)
+    refused, failed, nbytes = None, None, 0
+    buffers = _Buffers()
+    for sender, receiver, saved in moves:  # in the same order everywhere: each pair meets in turn
+        spans = wanted[(receiver, saved)]
+        if sender == rank:
+            why = _send(local_piece.piece_path(tier.node_dir, choice.iteration, saved), mine[saved], spans,
+                        receiver, tier.group, buffers)
+            if why:
+                bad[saved] = failed = why
+        elif receiver == rank:
+            nbytes += local_plan.span_bytes(spans)
+            why = _receive(staged.get(saved), spans, sender, tier.group, buffers)
+            refused = refused or (why and f"staging the received bytes on {tier.host} failed ({why})")
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tier.host, nbytes, refused) if tier.leader else None, group=tier.group)
-    by_node = {x[0]: x[1] for x in everyone if x is not None}
+    dist.all_gather_object(everyone, (tier.host if tier.leader else None, nbytes, refused, failed), group=tier.group)
+    by_node = {x[0]: x[1] for x in everyone if x[0] is not None}
     leader = local_plan.leaders(tier.hosts)[tier.host]
-    mine = {saved: spans for (receiver, saved), spans in wanted.items() if receiver == leader}
-    return mine, by_node, next((x[2] for x in everyone if x is not None and x[2]), None)
+    received = {saved: spans for (receiver, saved), spans in wanted.items() if receiver == leader}
+    return (received, by_node, next((x[2] for x in everyone if x[2]), None),
+            next((x[3] for x in everyone if x[3]), None))
 
 
-def _cut(data, spans: np.ndarray) -> bytes:
-    """The bytes of `data` in merged `spans`, concatenated."""
-    view = memoryview(data)
-    return b"".join(view[start:end] for start, end in spans.tolist())
+class _Buffers:
+    """A transfer's two message buffers (reused: one is filled while the other travels) and,
+    on a sender, the buffer of the chunk last read and checked."""
+
+    def __init__(self):
+        self.message = [None, None]
+        self.chunk, self.held = None, (None, -1)  # (piece, chunk index) the chunk buffer holds
+
+    def get(self, k: int, nbytes: int) -> torch.Tensor:
+        buf = self.message[k % 2]
+        if buf is None or buf.numel() < nbytes:
+            buf = self.message[k % 2] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return buf
+
+
+def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffers):
+    """Streams the bytes of merged `spans` of this node's copy (local_plan.Copy) of a piece to
+    `peer`, in `messages`, each chunk they lie in read once and checked against its CRC-32
+    before any byte of it is sent. Returns why the copy failed, or None; after a failure the
+    remaining messages still go (unchecked bytes, which the receivers drop): every receive is
+    matched."""
+    failed, pending = None, [None, None]
+    try:
+        fd = _open_piece(path)
+    except IntegrityError as e:
+        fd, failed = None, str(e)
+    try:
+        for k, parts in enumerate(messages(spans)):
+            if pending[k % 2] is not None:
+                pending[k % 2].wait()
+            n = sum(end - start for start, end in parts)
+            out = buffers.get(k, n)
+            if failed is None:
+                try:
+                    _fill(fd, path, copy, parts, out.numpy(), buffers)
+                except IntegrityError as e:
+                    failed = str(e)
+            pending[k % 2] = dist.isend(out[:n], peer, group=group)
+        for request in pending:
+            if request is not None:
+                request.wait()
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return failed
+
+
+def _fill(fd: int, path: str, copy, parts: list, out: np.ndarray, buffers: _Buffers) -> None:
+    """out[:bytes of `parts`] = the piece's bytes of `parts`, from its chunks, each read and
+    checked (local_piece.read_chunks) unless the chunk buffer holds it already."""
+    chunk, pos = copy.chunk_bytes, 0
+    if buffers.chunk is None or len(buffers.chunk) < chunk:
+        buffers.chunk, buffers.held = np.empty(chunk, dtype=np.uint8), (None, -1)
+    for start, end in parts:
+        for i in range(*local_piece.chunk_range(chunk, start, end)):
+            if buffers.held != (path, i):
+                buffers.held = (None, -1)
+                local_piece.read_chunks(fd, path, copy.nbytes, chunk, copy.chunk_crc32, i, i + 1, buffers.chunk)
+                buffers.held = (path, i)
+            lo, hi = max(start, i * chunk), min(end, (i + 1) * chunk)
+            out[pos:pos + hi - lo] = buffers.chunk[lo - i * chunk:hi - i * chunk]
+            pos += hi - lo
+
+
+def _receive(path, spans: np.ndarray, peer: int, group, buffers: _Buffers):
+    """Receives the bytes of merged `spans` of a piece from `peer`, in `messages`, writing each
+    at its offsets into the staged file `path` while the next one travels. Returns why they
+    could not be written, or None (every message is received either way)."""
+    msgs = messages(spans)
+    pending, failed, fd = [None, None], None, None
+    try:
+        if path is None:
+            failed = "no staged file (its header was not received)"
+        else:
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        failed = str(e)
+    sizes = [sum(end - start for start, end in parts) for parts in msgs]
+
+    def post(k):
+        buf = buffers.get(k, sizes[k])[:sizes[k]]
+        pending[k % 2] = (dist.irecv(buf, peer, group=group), buf)
+
+    try:
+        for k in range(min(2, len(msgs))):
+            post(k)
+        for k, parts in enumerate(msgs):
+            request, buf = pending[k % 2]
+            request.wait()
+            if failed is None:
+                try:
+                    stage_spans(fd, path, parts, buf.numpy())
+                except OSError as e:
+                    failed = str(e)
+            if k + 2 < len(msgs):
+                post(k + 2)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return failed
+
+
+def stage_spans(fd: int, path: str, parts: list, data) -> None:
+    """The bytes of `parts` [(start, end)] of a staged piece (open as `fd`), `data` their
+    concatenation, written at their offsets."""
+    pos = 0
+    for start, end in parts:
+        n = end - start
+        if os.pwrite(fd, data[pos:pos + n], start) != n:
+            raise OSError(f"{path}: short write at byte {start}")
+        pos += n
 
 
 def digest(data: bytes) -> str:
     """The header digest of a piece's bytes, or of its header alone (local_piece.read_header's)."""
     n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
     return local_piece.header_digest(data[8:8 + n])
-
-
-def sent_by(tier, choice) -> set:
-    """The saving ranks whose pieces this rank sends to other nodes (local_plan.transfers)."""
-    return {saved for sender, _, saved in local_plan.transfers(choice, tier.hosts) if sender == dist.get_rank()}
 
 
 def needed(loads) -> dict:

@@ -6,27 +6,27 @@
 2. All ranks agree (local_plan.choose) on the newest iteration newer than the persistent
    checkpoint of which every saving rank's piece has a copy on some surviving node; the
    leaders check that iteration's pieces from their headers (slot, size, regions, and that
-   together they cover every tensor: local_check); the pieces a leader sends to other nodes
-   it reads once, no further than that size, checked against their CRC-32; a bad copy makes
-   them choose again without it (the next copy, the next iteration).
+   together they cover every tensor: local_check); a bad copy makes them choose again
+   without it (the next copy, the next iteration). No piece is read whole: its bytes are
+   checked by chunk (local_piece.read_chunks), by whoever reads them, as they are read.
 3. Each node's leader receives the header of each piece its node lacks from a node that holds
    it (the manifest head, the RNG states and the regions are in the headers) and stages it as a
    sparse file of the piece's size (local_receive.py); the data comes in step 4, once the load's
    read plan says which bytes the node's ranks read: each node gets the union of its ranks'
-   spans, each byte once, nothing else, written into the staged files. Nothing received is
+   spans, each byte once, nothing else, streamed into the staged files. The sender reads only
+   the chunks of what it sends, each checked before any byte of it goes; a failed check makes
+   every rank choose again without that copy before any tensor is loaded. Nothing received is
    kept: the staging folder is removed after the load and at the start of every restore (a
-   restart killed meanwhile leaves the tier as it was). No folder is assembled: the pieces the
-   leader checked stay on disk, in the node's page cache, and only those it sends are kept in
-   memory (whole: checked against their CRC-32 before any span of them is sent).
+   restart killed meanwhile leaves the tier as it was). No folder is assembled.
 4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
    manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
    needs is read from the pieces that hold it through an index of their runs, nothing else
    (a rank of the saving layout that owned all it holds reads its own piece alone). Each rank
-   checks a piece's CRC-32 the first time it reads from it (a received piece was checked by
-   its sender), so a node's pieces are checked by the ranks that read them, in parallel, and
-   the pieces no rank reads are not read at all; a failed check is raised on every rank, and
-   the restore starts again without that copy. Each rank also checks that a piece's header is
-   the one its leader checked. The resume proof runs after the load; a disproved iteration is
+   checks the CRC-32 of a piece's chunk the first time it reads from it (a received piece was
+   checked by its sender), so a node's pieces are checked by the ranks that read them, in
+   parallel, and the chunks no rank reads are not read at all; a failed check is raised on
+   every rank, and the restore starts again without that copy. Each rank also checks that a
+   piece's header is the one its leader checked. The resume proof runs after the load; a disproved iteration is
    set aside, the next one tried.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
 Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
@@ -85,7 +85,8 @@ def _copy(node_dir, host, iteration, world, job, rank) -> local_plan.Copy:
     problem = local_check.slot_problem(record, rank, iteration, world, job)
     if problem:
         return local_plan.Copy(host, rank, 0, f"{path}: {problem}")
-    return local_plan.Copy(host, rank, record["bytes"], crc32=record["crc32"])
+    return local_plan.Copy(host, rank, record["bytes"], crc32=record["crc32"], chunk_bytes=record["chunk_bytes"],
+                           chunk_crc32=tuple(record["chunk_crc32"]))
 
 
 def _seen(tier, choice, copies, job):
@@ -151,42 +152,18 @@ def peek(root: str, newer_than: int, job):
     return choice.iteration, local_plan.padded_vocab_of(found, choice.iteration)
 
 
-def _read_held(tier, choice, copies, digests, keep):
-    """Leaders: ({saving rank: its bytes where `keep(rank)` (it is sent: read once, no further
-    than its checked size, and checked against its CRC-32), else its header's digest (it is
-    read in place later, and its CRC-32 checked by the ranks that read it)} of the sound copies
-    of the chosen iteration on this node, [(host, iteration, rank, why)] of the bad ones);
-    other ranks: ({}, [])."""
-    held, bad = {}, []
-    if not tier.leader:
-        return held, bad
-    for rank, holding in choice.holders.items():
-        if tier.host not in holding:
-            continue
-        if not keep(rank) and digests.get(rank):
-            held[rank] = digests[rank]  # read in place: its readers check its CRC-32 (piece_reads)
-            continue
-        read = local_piece.read_piece if keep(rank) else local_piece.check_piece
-        try:
-            held[rank] = read(tier.node_dir, choice.iteration, rank, copies[rank].nbytes,
-                              copies[rank].crc32, digests.get(rank))
-        except IntegrityError as e:
-            bad.append((tier.host, choice.iteration, rank, str(e)))
-    return held, bad
-
-
 def _gathered(value, group) -> list:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value, group=group)
     return [x for rank_value in everyone for x in rank_value]
 
 
-def _choose(tier, found: list, newer_than: int, kept=None):
-    """(choice, pieces this node holds of it): choose; check the chosen iteration's copies
-    from their headers (slot, size, regions, the coverage of every tensor: local_check.vet),
-    then read them; choose again without what was found bad until every piece read is sound.
-    `kept(choice)`: the saving ranks whose pieces are kept in memory (those this rank sends;
-    None: all), the others as their header digest (_read_held)."""
+def _choose(tier, found: list, newer_than: int):
+    """(choice, {saving rank: header digest} of the pieces this node holds of it): choose, and
+    check the chosen iteration's copies from their headers (slot, size, regions, the coverage
+    of every tensor: local_check.vet); choose again without what was found bad until they are
+    sound. Their bytes are checked by chunk as they are read (piece_reads) or sent
+    (local_receive)."""
     while True:
         choice = local_plan.choose(found, newer_than)
         if choice.iteration is None:
@@ -195,15 +172,10 @@ def _choose(tier, found: list, newer_than: int, kept=None):
         (bad, problem), digests = _vet(tier, choice, copies)
         if problem is not None:
             found = local_plan.refuse(found, choice.iteration, problem)
-            continue
-        if not bad:
-            keep = (lambda r: True) if kept is None else kept(choice).__contains__
-            held, bad = run_everywhere(_read_held, tier, choice, copies, digests, keep, group=tier.group)
-            bad = _gathered(bad, tier.group)
-            if not bad:
-                return choice, held
-            bad = [(h, r, w) for h, _, r, w in bad]
-        found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
+        elif not bad:
+            return choice, digests
+        else:
+            found = local_plan.mark_bad(found, [(h, choice.iteration, r, w) for h, r, w in bad])
 
 
 def restore(tier, args, state, newer_than: int, reseed=None, found=None):
@@ -218,7 +190,7 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
         found = [None] * dist.get_world_size()
         dist.all_gather_object(found, mine, group=tier.group)
         found = [f for f in found if f is not None]
-    choice, held = _choose(tier, found, newer_than, lambda c: local_receive.sent_by(tier, c))
+    choice, digests = _choose(tier, found, newer_than)
     target = f"iteration {newer_than}" if newer_than >= 0 else "none yet: training from scratch"
     if choice.iteration is None:
         if rank == 0 and choice.notes:
@@ -227,24 +199,21 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
         return None
     marks = [time.perf_counter()]
     copies = local_plan.held_copies(found, choice.iteration, tier.host)
-    here = {r: (copies[r].nbytes, data if isinstance(data, str) else local_receive.digest(data))
-            for r, data in held.items()}
-    held = {r: data for r, data in held.items() if not isinstance(data, str)}
-    checked, staged, headers, refused = run_everywhere(local_receive.headers, tier, choice, held, here, found,
-                                                       group=tier.group)
+    here = {r: (copies[r].nbytes, d) for r, d in digests.items()}
+    checked, staged, headers, refused, bad = run_everywhere(local_receive.headers, tier, choice, here, found,
+                                                            group=tier.group)
+    if bad:  # a sender's copy failed its CRC-32: nothing is loaded yet, choose again without it
+        local_receive.clear(tier)
+        return restore(tier, args, state, newer_than, reseed, local_plan.mark_bad(found, bad))
     marks.append(time.perf_counter())
     source, misfit = None, None
     if refused is None:
-        crcs = {r: copies[r].crc32 for r in checked if tier.host in choice.holders.get(r, ()) and r in copies}
-        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, crcs, staged,
+        sums = {r: (copies[r].chunk_bytes, copies[r].chunk_crc32) for r in checked
+                if tier.host in choice.holders.get(r, ()) and r in copies}
+        source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, sums, staged,
                                          group=tier.group)
     if source is not None:
-        def fetch(needs):
-            try:
-                return local_receive.fetch(tier, choice, held, staged, needs)
-            finally:
-                held.clear()  # the pieces this node sends: sent
-        source.fetch = fetch
+        source.fetch = lambda needs: local_receive.fetch(tier, choice, found, staged, needs, source.bad)
         misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
         misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
     marks.append(time.perf_counter())
@@ -306,11 +275,11 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
     return result
 
 
-def _open(node_dir: str, iteration: int, checked: dict, crcs: dict, staged: dict):
+def _open(node_dir: str, iteration: int, checked: dict, sums: dict, staged: dict):
     """(the pieces' reader, None), or (None, why it cannot read them: a piece that changed
     after the leader checked it, a head that is no manifest)."""
     try:
-        return PieceSource(node_dir, iteration, checked, crcs, staged), None
+        return PieceSource(node_dir, iteration, checked, sums, staged), None
     except (FormatError, IncompleteCheckpointError, IntegrityError, LayoutError) as e:
         return None, str(e)
 

@@ -9,10 +9,10 @@ byte of a piece a rank needs read once, nothing else. A rank of the saving layou
 piece and, where it owned every byte it holds, nothing else (`touched` counts per piece).
 
 The node's leader checked each piece's header and size before (local_restore); each rank
-checks that the header it indexes is that one (digest and size), and a piece's CRC-32 the
-first time it reads from it: a rank checks only the pieces it reads, the ranks of a node in
-parallel, instead of the leader reading every piece its node holds once more. A piece that
-fails is named in `bad` (the restore takes another copy) and the read raises.
+checks that the header it indexes is that one (digest and size), and the CRC-32 of each chunk
+of a piece the first time it reads from that chunk (local_piece.read_chunks): a rank checks
+only what it reads, the ranks of a node in parallel. A piece that fails is named in `bad` (the
+restore takes another copy) and the read raises.
 
 The pieces a node lacks are staged (local_receive.py): a sparse file holding the piece's header,
 into which, once the load's read plan is made (`plan_reads`, called by the load), `fetch` writes
@@ -44,25 +44,27 @@ _NONE = np.zeros((0, 2), dtype=np.int64)
 
 class PieceSource:
     """A universal checkpoint's reader over the pieces of `iteration` in `node_dir`: `checked`
-    {saving rank: (bytes, header digest)} as the leader checked them, `crcs` {saving rank: the
-    CRC-32 its piece must have} (a piece missing there is not checked again: its bytes were
-    checked as they were received). `manifest` is rank 0's piece's head, `rng(rank)` a saving
+    {saving rank: (bytes, header digest)} as the leader checked them, `sums` {saving rank:
+    (chunk bytes, each chunk's CRC-32)} of its piece (a piece missing there is not checked
+    again: its bytes were checked by the node that sent them). `manifest` is rank 0's piece's head, `rng(rank)` a saving
     rank's RNG state, `read_runs` tensor_io.read_runs's interface with the atomic tensor's
     name in place of the file's path. `staged` {saving rank: its staged file}: the pieces
     this node lacks; `fetch(needs)` (set by the restore; collective) gets the spans of them
     this node's ranks read (local_receive.fetch's interface)."""
 
-    def __init__(self, node_dir: str, iteration: int, checked: dict, crcs: dict = None, staged: dict = None):
+    def __init__(self, node_dir: str, iteration: int, checked: dict, sums: dict = None, staged: dict = None):
         self.where = iteration_dir(node_dir, iteration)
         self.node_dir, self.iteration, self.checked = node_dir, iteration, dict(checked)
-        self.crcs = dict(crcs or {})
+        self.sums = dict(sums or {})
+        self._ok: dict = {}  # saving rank -> the chunks of its piece checked here
+        self._buf = threading.local()  # each reading thread's chunk buffer
         self.staged = dict(staged or {})
         self.fetch, self.refused = None, None
         self.received: dict = {}  # staged piece -> the merged byte spans its file holds
         self.received_by_node: dict = {}  # host -> bytes it received (fetch)
         self.spans: dict = {}  # staged piece -> [(start, end)] this rank read of it
         self.bad: dict = {}  # saving rank -> why its piece failed its CRC-32 here
-        self._checks: dict = {}  # saving rank -> the lock its first reader checks it under
+        self._checks: dict = {}  # saving rank -> the lock its chunks are checked under
         self.paths, self.metas, self.touched = {}, {}, {}
         listed = {}
         for rank, (nbytes, digest) in sorted(checked.items()):
@@ -79,11 +81,14 @@ class PieceSource:
         """Collective (the load calls it once its read plan `reading` is made, before any
         tensor is read): the spans of the staged pieces this rank will read, fetched (each
         node gets its ranks' union). IncompleteCheckpointError on every rank, `refused` set,
-        when a node could not take them."""
+        when a node could not take them; IntegrityError on every rank when a sender's copy
+        failed its check (the sender's `bad` names it)."""
         if self.fetch is None:
             return
         needs = run_everywhere(self.needs, m, tensors, reading)
-        self.received, self.received_by_node, self.refused = self.fetch(needs)
+        self.received, self.received_by_node, self.refused, failed = self.fetch(needs)
+        if failed:  # a sender's copy failed its CRC-32 (named in its `bad`): nothing is read yet
+            raise IntegrityError(f"{self.where}: a piece sent from another node failed its check ({failed})")
         if self.refused:
             raise IncompleteCheckpointError(f"{self.where}: {self.refused}")
 
@@ -143,7 +148,9 @@ class PieceSource:
                     raise IntegrityError(f"{self.paths[piece]}: bytes [{offset}, {offset + want}) were not "
                                          "received (the read plan and the reads disagree)")
                 mine.setdefault(("spans", piece), []).append((offset, offset + want))
-            done, c = vector_io(False, self._fd(piece), views, offset)
+            fd = self._fd(piece)
+            self._check(piece, fd, offset, offset + want)
+            done, c = vector_io(False, fd, views, offset)
             if done != want:
                 raise IntegrityError(f"{self.paths[piece]}: ends inside a region (needed bytes up to "
                                      f"{offset + want}): the piece changed after it was checked")
@@ -161,28 +168,37 @@ class PieceSource:
         return total
 
     def _fd(self, piece: int) -> int:
-        """The open piece, its CRC-32 checked at its first read here (once per rank)."""
         with self._lock:
-            if piece in self._fds:
-                return self._fds[piece]
+            if piece not in self._fds:
+                self._fds[piece] = open_regular(self.paths[piece], "local-tier piece")
+            return self._fds[piece]
+
+    def _check(self, piece: int, fd: int, start: int, end: int) -> None:
+        """The chunks of `piece` that hold bytes [start, end), checked against their CRC-32s
+        where not checked here before (the piece's other readers wait; other pieces' go on)."""
+        if piece not in self.sums:
+            return
+        chunk, sums = self.sums[piece]
+        first, last = local_piece.chunk_range(chunk, start, end)
+        with self._lock:
             check = self._checks.setdefault(piece, threading.Lock())
-        with check:  # the other pieces' readers go on meanwhile
+        with check:
             if piece in self.bad:
                 raise IntegrityError(self.bad[piece])
-            with self._lock:
-                if piece in self._fds:
-                    return self._fds[piece]
-            if piece in self.crcs:
-                nbytes, digest = self.checked[piece]
-                try:
-                    local_piece.check_piece(self.node_dir, self.iteration, piece, nbytes, self.crcs[piece], digest)
-                except IntegrityError as e:
-                    self.bad[piece] = str(e)
-                    raise
-            fd = open_regular(self.paths[piece], "local-tier piece")
-            with self._lock:
-                self._fds[piece] = fd
-            return fd
+            ok = self._ok.setdefault(piece, set())
+            todo = [i for i in range(first, last) if i not in ok]
+            if not todo:
+                return
+            buf = getattr(self._buf, "data", None)
+            if buf is None or len(buf) < chunk:
+                buf = self._buf.data = bytearray(chunk)  # one per reading thread, reused
+            try:
+                for i in todo:
+                    local_piece.read_chunks(fd, self.paths[piece], self.checked[piece][0], chunk, sums, i, i + 1, buf)
+                    ok.add(i)
+            except IntegrityError as e:
+                self.bad[piece] = str(e)
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -2,7 +2,7 @@
 
     DIR/<host>/iter_0000006/.ucp_local               # the tier wrote this folder, for this job
     DIR/<host>/iter_0000006/rank_00002.safetensors   # the regions rank 2 owns, every state
-    DIR/<host>/iter_0000006/rank_00002.json          # its slot (rank, iteration, world, job), size, CRC-32
+    DIR/<host>/iter_0000006/rank_00002.json          # its slot (rank, iteration, world, job), size, CRC-32s
     DIR/<host>/iter_0000006/COMPLETE                 # every rank's piece and replicas written
 
 Every record names the job (engine/local_tier.job_identity): a restore takes only its own job's
@@ -14,6 +14,11 @@ rank 0's, the manifest head: what a universal save would have written, so that p
 layout load as a universal checkpoint that reshards (engine/piece_reads.py). A node keeps its
 own ranks' pieces (originals) and other nodes' replicas under the same names (what a restart
 receives is staged apart and not kept: engine/local_receive.py).
+
+A sidecar records the piece's CRC-32 and one per chunk of `chunk_bytes` (CHUNK_BYTES, more for
+pieces beyond MAX_CHUNKS chunks): a restore reads and checks only the chunks of the bytes it
+uses (a rank the regions it loads, a node the spans it sends), never a whole piece for a part
+of it. A sidecar of an older release records no chunks: its piece is one chunk.
 """
 
 import hashlib
@@ -33,11 +38,13 @@ from megatron_ucp.format.durability import atomic_write_bytes, atomic_write_json
 from megatron_ucp.format.folder import iteration_dir, iteration_of
 from megatron_ucp.format.layout import Region
 from megatron_ucp.format import storage, stores
-from megatron_ucp.format.safe_files import open_regular, parse_json, read_bounded, read_json
+from megatron_ucp.format.safe_files import open_regular, parse_json, read_bounded, read_json, vector_io
 
 COMPLETE = "COMPLETE"
 MAX_HEADER_BYTES = 256 * 2**20
-MAX_SIDECAR_BYTES = 4096  # a sidecar or COMPLETE marker: a few integers as JSON
+MAX_SIDECAR_BYTES = 64 * 1024  # a sidecar (its chunk sums) or COMPLETE marker, as JSON
+CHUNK_BYTES = 4 * 2**20  # a piece's bytes per recorded CRC-32, at least
+MAX_CHUNKS = 4096  # beyond, the chunks grow (a sidecar of 4096 sums is about 45 kB)
 MAX_WORLD = 1 << 17  # a COMPLETE marker's world beyond this is not believed
 MARK = ".ucp_local"  # in each iteration folder the tier made: the job that made it
 JOB_FILE = ".ucp_local_job.json"  # in the --save folder: the job's id, made at its first start
@@ -125,14 +132,26 @@ def sidecar_path(node_dir: str, iteration: int, rank: int) -> str:
     return piece_path(node_dir, iteration, rank)[: -len(".safetensors")] + ".json"
 
 
+def chunk_bytes_for(nbytes: int) -> int:
+    """Pure: the chunk a piece of `nbytes` is checked by: CHUNK_BYTES, doubled until at most
+    MAX_CHUNKS chunks make the piece."""
+    chunk = CHUNK_BYTES
+    while nbytes > chunk * MAX_CHUNKS:
+        chunk *= 2
+    return chunk
+
+
 def write_piece(node_dir: str, iteration: int, rank: int, data: bytes, slot: dict = None) -> None:
     """The piece, then its sidecar (its slot: `slot`'s world and job, the rank and iteration;
-    size, CRC-32): a piece without a sidecar does not count."""
+    size, CRC-32, the chunks' CRC-32s): a piece without a sidecar does not count."""
     path = piece_path(node_dir, iteration, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_write_bytes(path, data)
+    chunk, view = chunk_bytes_for(len(data)), memoryview(data)
+    sums = [crc32(view[i:i + chunk]) for i in range(0, len(data), chunk)]
     atomic_write_json(sidecar_path(node_dir, iteration, rank),
-                      dict(slot or {}, rank=rank, iteration=iteration, bytes=len(data), crc32=crc32(data)))
+                      dict(slot or {}, rank=rank, iteration=iteration, bytes=len(data), crc32=crc32(data),
+                           chunk_bytes=chunk, chunk_crc32=sums))
 
 
 def _count(record: dict, key: str, path: str, low: int = 0, high: Optional[int] = None) -> int:
@@ -145,14 +164,24 @@ def _count(record: dict, key: str, path: str, low: int = 0, high: Optional[int] 
 
 def sidecar(node_dir: str, iteration: int, rank: int) -> dict:
     """A piece's sidecar record (regular file, bounded, strict JSON), its integers checked:
-    {"rank", "iteration", "world", "job", "bytes", "crc32"}; FormatError naming the sidecar."""
+    {"rank", "iteration", "world", "job", "bytes", "crc32", "chunk_bytes", "chunk_crc32"} (an
+    older release's, without chunks: the piece as one chunk); FormatError naming the sidecar."""
     path = sidecar_path(node_dir, iteration, rank)
     record = read_json(path, "local-tier sidecar", MAX_SIDECAR_BYTES)
     if not isinstance(record, dict):
         raise FormatError(f"{path}: expected a JSON object")
-    for key in ("bytes", "crc32", "rank", "iteration"):
+    for key in ("bytes", "rank", "iteration"):
         _count(record, key, path)
+    _count(record, "crc32", path, 0, 2**32 - 1)
     _count(record, "world", path, 1, MAX_WORLD)
+    if "chunk_bytes" not in record and "chunk_crc32" not in record:
+        return dict(record, chunk_bytes=max(1, record["bytes"]), chunk_crc32=[record["crc32"]] if record["bytes"] else [])
+    chunk = _count(record, "chunk_bytes", path, 1)
+    sums, count = record.get("chunk_crc32"), -(-record["bytes"] // chunk)
+    if not (isinstance(sums, list) and len(sums) == count
+            and all(type(c) is int and 0 <= c < 2**32 for c in sums)):
+        raise FormatError(f"{path}: 'chunk_crc32' is not {count} CRC-32 values (one per {chunk} bytes "
+                          f"of {record['bytes']})")
     return record
 
 
@@ -208,38 +237,30 @@ def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, expected_c
     return data
 
 
-CHECK_CHUNK = 8 * 2**20  # check_piece's buffer
+def read_chunks(fd: int, path: str, nbytes: int, chunk: int, sums, first: int, last: int, buf) -> memoryview:
+    """Chunks `first` .. `last` - 1 of the piece open as `fd` (`nbytes` long, `chunk` bytes per
+    CRC-32 of `sums`), read into `buf` and checked: their bytes, a view of `buf`.
+    IntegrityError naming `path`, the chunk and its bytes otherwise (a file shorter than its
+    sidecar says included: nothing is read past `nbytes`)."""
+    lo, hi = first * chunk, min(last * chunk, nbytes)
+    view = memoryview(buf).cast("B")[:hi - lo]
+    if len(view) < hi - lo:
+        raise ValueError(f"read_chunks: a buffer of {len(view)} bytes for {hi - lo}")
+    done, _ = vector_io(False, fd, [view], lo)
+    if done != hi - lo:
+        raise IntegrityError(f"{path}: ends at byte {lo + done}, its sidecar says {nbytes}")
+    for i in range(first, last):
+        a, b = i * chunk - lo, min((i + 1) * chunk, nbytes) - lo
+        found = crc32(view[a:b])
+        if found != sums[i]:
+            raise IntegrityError(f"{path}: bytes [{lo + a}, {lo + b}) (chunk {i}): CRC-32 {found:08x} differs "
+                                 f"from the saved {sums[i]:08x}")
+    return view
 
 
-def check_piece(node_dir: str, iteration: int, rank: int, nbytes: int, expected_crc: int, digest: str = None) -> str:
-    """read_piece's checks (size, CRC-32, the checked header; IntegrityError naming the file),
-    streamed through one buffer instead of kept: for a piece the restore then reads in place.
-    Returns its header's digest."""
-    path = piece_path(node_dir, iteration, rank)
-    try:
-        fd = open_regular(path, "local-tier piece")
-    except (FormatError, IncompleteCheckpointError) as e:
-        raise IntegrityError(f"{path}: unreadable ({e})") from None
-    try:
-        view = memoryview(bytearray(max(1, min(CHECK_CHUNK, nbytes))))
-        crc = pos = 0
-        while pos < nbytes:
-            n = os.preadv(fd, [view[:min(len(view), nbytes - pos)]], pos)
-            if n == 0:
-                break
-            crc, pos = crc32(view[:n], crc), pos + n
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
-        raw = os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES), 8) if len(head) == 8 else b""
-    finally:
-        os.close(fd)
-    if pos != nbytes or size != nbytes:
-        raise IntegrityError(f"{path}: {size} bytes, its sidecar says {nbytes}")
-    if crc != expected_crc:
-        raise IntegrityError(f"{path}: CRC-32 {crc:08x} differs from the saved {expected_crc:08x}")
-    if digest is not None and header_digest(raw) != digest:
-        raise IntegrityError(f"{path}: its header changed after it was checked")
-    return header_digest(raw)
+def chunk_range(chunk: int, start: int, end: int) -> Tuple[int, int]:
+    """Pure: (first, last + 1) of the chunks that hold bytes [start, end)."""
+    return start // chunk, -(-end // chunk)
 
 
 def mark_complete(node_dir: str, iteration: int, world: int, job=None, padded_vocab_size: Optional[int] = None) -> None:
