@@ -179,16 +179,20 @@ def padded_vocab_of(inventories: Sequence[Sequence[Iteration]], iteration: int) 
 
 
 def transfers(choice: Choice, hosts: Sequence[str]) -> List[Tuple[int, int, int]]:
-    """(sender rank, receiver rank, saving rank) for every piece a node lacks: each node's
-    leader needs every piece; a piece it does not hold comes from the leader of the first node
-    (in host-name order) that holds a sound copy."""
-    lead = leaders(hosts)
+    """(sender rank, receiver rank, saving rank) for every piece a node lacks: it comes from
+    the first node (in host-name order) that holds a sound copy. The pieces a node receives
+    go to its ranks in turn, and the pieces a node sends leave from its ranks in turn: every
+    rank of both reads and checks, or writes, a share, in parallel (a node's first rank alone
+    would move all of them)."""
+    nodes = nodes_of(hosts)
+    sent = dict.fromkeys(nodes, 0)
     out = []
-    for host, receiver in lead.items():
-        for rank, holding in sorted(choice.holders.items()):
-            if host not in holding:
-                sender = lead[sorted(h for h in holding if h in lead)[0]]
-                out.append((sender, receiver, rank))
+    for host, ranks in nodes.items():
+        lacking = [rank for rank, holding in sorted(choice.holders.items()) if host not in holding]
+        for k, rank in enumerate(lacking):
+            source = sorted(h for h in choice.holders[rank] if h in nodes)[0]
+            out.append((nodes[source][sent[source] % len(nodes[source])], ranks[k % len(ranks)], rank))
+            sent[source] += 1
     return out
 
 

@@ -3,7 +3,7 @@ iteration, from the node that holds it, and nothing its ranks do not read.
 
 First the headers (`headers`): every piece's header is needed on every node (rank 0's holds
 the manifest head, each its RNG state and the regions the index of the reads is built from),
-so each node's leader receives the header of each piece its node lacks and stages it as a
+so a rank of each node receives the header of each piece its node lacks and stages it as a
 sparse file of the piece's size in the node's staging folder (STAGING: removed at the start of
 every restore, so that a restart killed meanwhile leaves the tier as it was). Then, once the
 load's read plan is made (piece_reads.PieceSource.plan_reads), the data (`fetch`): every rank's
@@ -52,10 +52,11 @@ def header_length(data) -> int:
 
 
 def headers(tier, choice, here: dict, found) -> tuple:
-    """Collective: every node's leader receives the header of each piece its node lacks from
-    the node that holds it and stages it (`stage_header`); the sender reads it through the
-    piece's chunks' CRC-32s and checks it is the header its node checked. `here`: {saving rank:
-    (bytes, header digest)} of the pieces this node holds. Returns ({saving rank: (bytes,
+    """Collective: the header of each piece a node lacks goes from a rank of the node that
+    holds it to a rank of that node (local_plan.transfers), which stages it (`stage_header`);
+    the sender reads it through the piece's chunks' CRC-32s and checks it is the header its
+    node checked. `here`: {saving rank: (bytes, header digest)} of the pieces this node holds.
+    Returns ({saving rank: (bytes,
     header digest)} of every piece this node reads, {saving rank: its staged file}, {host:
     header bytes it received}, why a node cannot stage them or None, [(host, iteration, saving
     rank, why)] of the copies a sender found bad), the same on every rank of a node."""
@@ -73,27 +74,29 @@ def headers(tier, choice, here: dict, found) -> tuple:
             sends.append((receiver, head))
     receiving = [(sender, saved) for sender, receiver, saved in moves if receiver == rank]
     clear(tier)
+    dist.barrier(group=tier.group)  # the staging folders are new before any rank stages into them
     received = exchange_bytes(sends, [s for s, _ in receiving], tier.group)
     checked, staged, refused, nbytes = dict(here), {}, None, 0
-    if tier.leader:
-        for i, (sender, saved) in enumerate(receiving):
-            size = local_plan.held_copies(found, choice.iteration, tier.hosts[sender])[saved].nbytes
-            nbytes += len(received[i])
-            if not len(received[i]):
-                continue  # its sender found it bad
-            try:
-                staged[saved] = stage_header(tier.node_dir, saved, received[i], size)
-            except OSError as e:
-                refused = refused or f"staging the received headers on {tier.host} failed ({e})"
-            checked[saved] = (size, digest(received[i]))
+    for i, (sender, saved) in enumerate(receiving):
+        size = local_plan.held_copies(found, choice.iteration, tier.hosts[sender])[saved].nbytes
+        nbytes += len(received[i])
+        if not len(received[i]):
+            continue  # its sender found it bad
+        try:
+            staged[saved] = stage_header(tier.node_dir, saved, received[i], size)
+        except OSError as e:
+            refused = refused or f"staging the received headers on {tier.host} failed ({e})"
+        checked[saved] = (size, digest(received[i]))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, ((tier.host, checked, staged, nbytes, refused) if tier.leader else None, bad),
-                           group=tier.group)
-    bad = [b for _, rank_bad in everyone for b in rank_bad]
-    everyone = [x for x, _ in everyone if x is not None]
-    mine = next(x for x in everyone if x[0] == tier.host)
-    by_node = {x[0]: x[3] for x in everyone}
-    return mine[1], mine[2], by_node, next((x[4] for x in everyone if x[4]), None), bad
+    dist.all_gather_object(everyone, (tier.host, checked, staged, nbytes, refused, bad), group=tier.group)
+    checked, staged, by_node = {}, {}, {}
+    for host, c, s, n, _, _ in everyone:
+        by_node[host] = by_node.get(host, 0) + n
+        if host == tier.host:  # what this node's ranks staged: every rank of it reads them
+            checked.update(c)
+            staged.update(s)
+    return (checked, staged, by_node, next((x[4] for x in everyone if x[4]), None),
+            [b for x in everyone for b in x[5]])
 
 
 def _checked_header(node_dir: str, iteration: int, rank: int, copy, expected: str) -> bytes:
@@ -187,10 +190,11 @@ def fetch(tier, choice, found, staged: dict, needs: dict, bad: dict) -> tuple:
             why = _receive(staged.get(saved), spans, sender, tier.group, buffers)
             refused = refused or (why and f"staging the received bytes on {tier.host} failed ({why})")
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (tier.host if tier.leader else None, nbytes, refused, failed), group=tier.group)
-    by_node = {x[0]: x[1] for x in everyone if x[0] is not None}
-    leader = local_plan.leaders(tier.hosts)[tier.host]
-    received = {saved: spans for (receiver, saved), spans in wanted.items() if receiver == leader}
+    dist.all_gather_object(everyone, (tier.host, nbytes, refused, failed), group=tier.group)
+    by_node: dict = {}
+    for host, n, _, _ in everyone:
+        by_node[host] = by_node.get(host, 0) + n
+    received = {saved: spans for (receiver, saved), spans in wanted.items() if tier.hosts[receiver] == tier.host}
     return (received, by_node, next((x[2] for x in everyone if x[2]), None),
             next((x[3] for x in everyone if x[3]), None))
 

@@ -9,8 +9,8 @@
    together they cover every tensor: local_check); a bad copy makes them choose again
    without it (the next copy, the next iteration). No piece is read whole: its bytes are
    checked by chunk (local_piece.read_chunks), by whoever reads them, as they are read.
-3. Each node's leader receives the header of each piece its node lacks from a node that holds
-   it (the manifest head, the RNG states and the regions are in the headers) and stages it as a
+3. A rank of each node receives the header of each piece its node lacks from a rank of a node
+   that holds it (local_plan.transfers spreads the pieces over the ranks of both) (the manifest head, the RNG states and the regions are in the headers) and stages it as a
    sparse file of the piece's size (local_receive.py); the data comes in step 4, once the load's
    read plan says which bytes the node's ranks read: each node gets the union of its ranks'
    spans, each byte once, nothing else, streamed into the staged files. The sender reads only
@@ -120,7 +120,7 @@ def _vet(tier, choice, copies):
     """Collective: local_check.vet of the chosen iteration's copies, decided on rank 0 from
     every copy's Seen and the regions of one copy of each distinct header, and the same on
     every rank: ([(host, rank, why)], why the iteration is unusable or None), and the header
-    digests of this node's copies (what their reads must find)."""
+    digests of this node's copies (what their reads, and the ranks that send them, must find)."""
     seen, details = run_everywhere(_seen, tier, choice, copies, tier.job, group=tier.group)
     seen = _gathered(seen, tier.group)
     carry = local_check.carriers(seen)
@@ -129,7 +129,7 @@ def _vet(tier, choice, copies):
     dist.gather_object(sent, carried, dst=0, group=tier.group)
     verdict = on_rank_zero(lambda: local_check.vet(seen, {k: v for part in carried for k, v in part.items()}),
                            group=tier.group)
-    return verdict, {rank: d[0] for rank, d in details.items()}
+    return verdict, {c.rank: c.digest for c in seen if c.host == tier.host}  # on every rank of the node
 
 
 def peek(root: str, newer_than: int, job):
