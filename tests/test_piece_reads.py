@@ -230,3 +230,55 @@ def test_chunk_sums_cover_every_byte_and_a_sidecar_is_checked(tmp_path, monkeypa
     assert local_piece.sidecar(str(tmp_path), 3, 1) == dict(old, chunk_bytes=len(data), chunk_crc32=[zlib.crc32(data)])
     assert local_piece.chunk_bytes_for(64 * local_piece.MAX_CHUNKS) == 64
     assert local_piece.chunk_bytes_for(64 * local_piece.MAX_CHUNKS + 1) == 128
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_copies_map_every_requested_element_to_the_piece_that_holds_it(data):
+    """_copies against a per-element model: an index of runs (a split of [0, N) over pieces,
+    each piece's runs at increasing offsets in a random order of the runs) and requests of
+    element runs into an array: every element read from its piece's byte, into its array
+    position, each once; each read at most IOV_MAX parts, none mergeable with the next; an
+    element no run holds (a hole) is named."""
+    n_total = data.draw(st.integers(1, 200))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n_total - 1), max_size=20)) if n_total > 1 else []))
+    bounds = [0] + cuts + [n_total]
+    runs = [(a, z - a) for a, z in zip(bounds, bounds[1:])]
+    hole = data.draw(st.booleans()) and len(runs) > 1
+    if hole:
+        del runs[data.draw(st.integers(0, len(runs) - 1))]
+    owner = [data.draw(st.integers(0, 2)) for _ in runs]
+    order = data.draw(st.permutations(range(len(runs))))
+    offsets, at = {}, {0: 64, 1: 8, 2: 0}
+    for i in order:
+        offsets[i] = at[owner[i]]
+        at[owner[i]] += runs[i][1] * 4
+    index = tuple(np.asarray(x, dtype=np.int64) for x in zip(*[(runs[i][0], runs[i][1], owner[i], offsets[i])
+                                                                for i in range(len(runs))]))
+    held = {e: (owner[i], offsets[i] + (e - runs[i][0]) * 4) for i in range(len(runs))
+            for e in range(runs[i][0], runs[i][0] + runs[i][1])}
+    reqs = data.draw(st.lists(st.tuples(st.integers(0, n_total - 1), st.integers(1, 50)), min_size=1, max_size=6))
+    f, b, n, out_at = [], [], [], 0
+    for start, length in reqs:
+        length = min(length, n_total - start)
+        f.append(start), b.append(out_at), n.append(length)
+        out_at += length + data.draw(st.integers(0, 2))
+    want = {b[r] + e: held.get(f[r] + e) for r in range(len(f)) for e in range(n[r])}
+    if None in want.values():
+        with pytest.raises(IncompleteCheckpointError, match="element (\\d+) is in no piece") as e:
+            piece_reads._copies(index, np.array(f), np.array(b), np.array(n), "w")
+        missing = int(e.value.args[0].split("element ")[1].split()[0])
+        assert missing not in held and any(f[r] <= missing < f[r] + n[r] for r in range(len(f)))
+        return
+    got = {}
+    reads = piece_reads._copies(index, np.array(f), np.array(b), np.array(n), "w")
+    for piece, offset, parts in reads:
+        assert 0 < len(parts) <= piece_reads.IOV_MAX
+        for (s0, l0), (s1, _) in zip(parts, parts[1:]):
+            assert s0 + l0 != s1  # adjacent in the file and in the array: merged
+        for start, length in parts:
+            for e in range(length):
+                assert start + e not in got
+                got[start + e] = (piece, offset)
+                offset += 4
+    assert got == want

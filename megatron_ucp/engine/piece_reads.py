@@ -254,40 +254,54 @@ def _copies(index, f, b, n, where: str):
     """Pure: the positional reads that serve runs (element f, out element b, length n) from
     `index`: [(piece, byte offset, [(out element, length)])], runs adjacent in a piece and in
     the array merged, at most IOV_MAX parts each. IncompleteCheckpointError for elements no
-    piece holds."""
+    piece holds. Vectorized: a row-split tensor read whole is thousands of runs."""
     starts, lengths, pieces, offsets = index
-    pieces_out, offs_out, bs_out, ns_out = [], [], [], []
-    i = np.searchsorted(starts, f, side="right") - 1
-    inside = (i >= 0) & (f + n <= starts[np.maximum(i, 0)] + lengths[np.maximum(i, 0)])
-    for k in np.flatnonzero(~inside).tolist():  # runs that span pieces' runs: split them
-        fk, bk, nk = int(f[k]), int(b[k]), int(n[k])
-        j = int(i[k])
-        while nk > 0:
-            if j < 0 or j >= len(starts) or not starts[j] <= fk < starts[j] + lengths[j]:
-                raise IncompleteCheckpointError(f"{where}: element {fk} is in no piece")
-            take = min(nk, int(starts[j] + lengths[j] - fk))
-            pieces_out.append(int(pieces[j]))
-            offs_out.append(int(offsets[j] + (fk - starts[j]) * F32))
-            bs_out.append(bk)
-            ns_out.append(take)
-            fk, bk, nk, j = fk + take, bk + take, nk - take, j + 1
-    k = np.flatnonzero(inside)
-    p = np.concatenate([pieces[i[k]], np.asarray(pieces_out, dtype=np.int64)])
-    o = np.concatenate([offsets[i[k]] + (f[k] - starts[i[k]]) * F32, np.asarray(offs_out, dtype=np.int64)])
-    bb = np.concatenate([b[k], np.asarray(bs_out, dtype=np.int64)])
-    nn = np.concatenate([n[k], np.asarray(ns_out, dtype=np.int64)])
+    f, b, n = (np.asarray(x, dtype=np.int64) for x in (f, b, n))
+    if not len(f):
+        return []
+    first = np.searchsorted(starts, f, side="right") - 1
+    last = np.searchsorted(starts, f + n - 1, side="right") - 1
+    counts = np.maximum(last - np.maximum(first, 0) + 1, 1)
+    k = np.repeat(np.arange(len(f)), counts)  # the request each piece run serves
+    j = np.maximum(first, 0)[k] + np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts)
+    lo = np.maximum(f[k], starts[j])
+    hi = np.minimum(f[k] + n[k], starts[j] + lengths[j])
+    covered = np.bincount(k, weights=np.maximum(hi - lo, 0), minlength=len(f))
+    if (covered != n).any():
+        bad = int(np.flatnonzero(covered != n)[0])
+        raise IncompleteCheckpointError(f"{where}: element {_first_missing(index, int(f[bad]), int(n[bad]))} "
+                                        "is in no piece")
+    keep = hi > lo
+    p, lo, j, k = pieces[j[keep]], lo[keep], j[keep], k[keep]
+    o = offsets[j] + (lo - starts[j]) * F32
+    bb, nn = b[k] + (lo - f[k]), hi[keep] - lo
+    if not len(p):
+        return []
     order = np.lexsort((o, p))
     p, o, bb, nn = p[order], o[order], bb[order], nn[order]
-    out = []
-    for piece, offset, start, length in zip(p.tolist(), o.tolist(), bb.tolist(), nn.tolist()):
-        g = out[-1] if out else None
-        if g is not None and g[0] == piece and offset == g[1] + g[3] and len(g[2]) < IOV_MAX:
-            last = g[2][-1]
-            if last[0] + last[1] == start:
-                g[2][-1] = (last[0], last[1] + length)
-            else:
-                g[2].append((start, length))
-            g[3] += length * F32
-        else:
-            out.append([piece, offset, [(start, length)], length * F32])
-    return [(g[0], g[1], g[2]) for g in out]
+    # a part: file- and array-contiguous runs merged; a read: file-contiguous parts, <= IOV_MAX
+    file_next = np.zeros(len(p), dtype=bool)
+    file_next[1:] = (p[1:] == p[:-1]) & (o[1:] == o[:-1] + nn[:-1] * F32)
+    array_next = np.zeros(len(p), dtype=bool)
+    array_next[1:] = bb[1:] == bb[:-1] + nn[:-1]
+    part_starts = np.flatnonzero(~(file_next & array_next))
+    part_len = np.add.reduceat(nn, part_starts)
+    read_of_part = np.cumsum(~file_next[part_starts]) - 1  # file-contiguous groups of parts
+    group_first = np.flatnonzero(~file_next[part_starts])
+    rank_in_group = np.arange(len(part_starts)) - group_first[read_of_part]
+    new_read = (rank_in_group % IOV_MAX) == 0
+    heads = part_starts[new_read]
+    parts = list(zip(bb[part_starts].tolist(), part_len.tolist()))
+    bounds = np.append(np.flatnonzero(new_read), len(part_starts)).tolist()
+    return [(piece, offset, parts[bounds[r]:bounds[r + 1]])
+            for r, (piece, offset) in enumerate(zip(p[heads].tolist(), o[heads].tolist()))]
+
+
+def _first_missing(index, f: int, n: int) -> int:
+    """The first element of [f, f + n) that no run of `index` holds."""
+    starts, lengths = index[0], index[1]
+    at = f
+    i = int(np.searchsorted(starts, at, side="right")) - 1
+    while at < f + n and i >= 0 and i < len(starts) and starts[i] <= at < starts[i] + lengths[i]:
+        at, i = int(starts[i] + lengths[i]), i + 1
+    return at
