@@ -198,6 +198,8 @@ def load_universal(load_dir: str, model, optimizer=None, scheduler=None, *, voca
     staged: dict = {}
     run_everywhere(read_tensors, root, m, layouts, tensors, reading, counter,
                    plan.inline if plan else {}, hashes, staged, source)
+    if hasattr(source, "reads_done"):  # the local tier: the transfer it overlapped with the reads, finished
+        run_everywhere(source.reads_done)
     exchanged = exchange(tensors, reading, staged)
 
     def restore():

@@ -214,6 +214,7 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
                                          group=tier.group)
     if source is not None:
         source.fetch = lambda needs: local_receive.fetch(tier, choice, found, staged, needs, source.bad)
+        source.overlap = newer_than >= 0  # a failed transfer after reads began: the persistent tier overwrites
         misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
         misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
     marks.append(time.perf_counter())
@@ -237,7 +238,8 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
     except ResumeProofError as e:
         source.close()  # before the next iteration's restore opens its own
         return _disproved(tier, args, state, newer_than, reseed, choice.iteration, e)
-    except IncompleteCheckpointError:  # raised on every rank before any tensor was read
+    except IncompleteCheckpointError:  # raised on every rank (the transfer's: before the load returned)
+        source.settle()
         if source.refused is None:
             raise
         if rank == 0:
@@ -245,6 +247,7 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
                   f"falling back to the persistent checkpoint ({target})", flush=True)
         return None
     except IntegrityError as e:  # raised on every rank (the load agrees on errors)
+        source.settle()  # a sender's finding is in its `bad` once its transfer ended
         bad = _gathered([(tier.host, choice.iteration, r, why) for r, why in sorted(source.bad.items())], tier.group)
         if not bad:
             raise

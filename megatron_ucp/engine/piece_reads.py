@@ -59,7 +59,8 @@ class PieceSource:
         self._ok: dict = {}  # saving rank -> the chunks of its piece checked here
         self._buf = threading.local()  # each reading thread's chunk buffer
         self.staged = dict(staged or {})
-        self.fetch, self.refused = None, None
+        self.fetch, self.refused, self.overlap = None, None, False
+        self._fetching, self._failed = None, None  # the transfer's thread (overlap), why it failed
         self.received: dict = {}  # staged piece -> the merged byte spans its file holds
         self.received_by_node: dict = {}  # host -> bytes it received (fetch)
         self.spans: dict = {}  # staged piece -> [(start, end)] this rank read of it
@@ -80,17 +81,45 @@ class PieceSource:
     def plan_reads(self, m, tensors, reading) -> None:
         """Collective (the load calls it once its read plan `reading` is made, before any
         tensor is read): the spans of the staged pieces this rank will read, fetched (each
-        node gets its ranks' union). IncompleteCheckpointError on every rank, `refused` set,
-        when a node could not take them; IntegrityError on every rank when a sender's copy
-        failed its check (the sender's `bad` names it)."""
+        node gets its ranks' union). With `overlap`, the transfer runs in a thread of its own
+        (the tier's group) while the ranks read what their node holds; a read of a staged
+        piece waits for it, and `reads_done` ends it. Otherwise, and in `reads_done`:
+        IncompleteCheckpointError on every rank, `refused` set, when a node could not take
+        them; IntegrityError on every rank when a sender's copy failed its check (the
+        sender's `bad` names it)."""
         if self.fetch is None:
             return
         needs = run_everywhere(self.needs, m, tensors, reading)
-        self.received, self.received_by_node, self.refused, failed = self.fetch(needs)
-        if failed:  # a sender's copy failed its CRC-32 (named in its `bad`): nothing is read yet
-            raise IntegrityError(f"{self.where}: a piece sent from another node failed its check ({failed})")
+        if not self.overlap:
+            self._transfer(needs)
+            self._fetched()
+            return
+        self._fetching = threading.Thread(target=self._transfer, args=(needs,), name="ucp-local-fetch", daemon=True)
+        self._fetching.start()
+
+    def _transfer(self, needs) -> None:
+        try:
+            self.received, self.received_by_node, self.refused, self._failed = self.fetch(needs)
+        except Exception as e:  # raised in the reading threads and reads_done
+            self._failed = f"{type(e).__name__}: {e}"
+
+    def settle(self) -> None:
+        """Wait for the transfer in flight, if any (its sends complete: every rank's do)."""
+        if self._fetching is not None:
+            self._fetching.join()
+
+    def _fetched(self) -> None:
+        """After the transfer: what it failed with, raised (the same on every rank)."""
+        self.settle()
+        if self._failed:  # a sender's copy failed its CRC-32 (named in its `bad`)
+            raise IntegrityError(f"{self.where}: a piece sent from another node failed its check ({self._failed})")
         if self.refused:
             raise IncompleteCheckpointError(f"{self.where}: {self.refused}")
+
+    def reads_done(self) -> None:
+        """The load's reads are done: the transfer is too, and its failure raised here."""
+        if self.fetch is not None:
+            self._fetched()
 
     def needs(self, m, tensors, reading) -> dict:
         """{staged piece: merged byte spans} that the reads of `reading` (reads.ReadPlan) make
@@ -144,6 +173,7 @@ class PieceSource:
             views = [raw[bs * F32:(bs + ln) * F32] for bs, ln in parts]
             want = sum(len(v) for v in views)
             if piece in self.staged:
+                self._fetched()  # its spans are written
                 if not local_plan.within(self.received.get(piece, _NONE), offset, offset + want):
                     raise IntegrityError(f"{self.paths[piece]}: bytes [{offset}, {offset + want}) were not "
                                          "received (the read plan and the reads disagree)")
@@ -201,6 +231,7 @@ class PieceSource:
                 raise
 
     def close(self) -> None:
+        self.settle()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
