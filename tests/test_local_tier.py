@@ -176,17 +176,24 @@ def test_both_copies_bad_fall_back_to_persistent(crashed, tmp_path):
         _flip_byte(_piece(local, "node0", 0))
         _flip_byte(_piece(local, "node1", 0))
 
+    line = _fell_back(crashed, tmp_path, damage)
+    for node in ("node0", "node1"):
+        assert re.search(rf"{node}/iter_0000006/rank_00000.safetensors: bytes \[\d+, \d+\) \(chunk \d+\): CRC-32",
+                         line), line
+    assert "no sound copy of the pieces of ranks 0" in line
+    assert "falling back to the persistent checkpoint (iteration 5)" in line
+
+
+def _fell_back(crashed, tmp_path, damage) -> str:
+    """Restart on node0 and node1 after `damage`; assert that it resumed from the persistent
+    checkpoint with the reference's losses, and return its one line that says why."""
     ref, r = _restart(crashed, tmp_path, ["node0", "node1"], damage=damage)
     resumed = {int(k): v for k, v in r["losses"].items()}
     assert sorted(resumed) == list(range(PERSISTENT + 1, ITERS + 1))
     assert max_loss_delta(ref, resumed) <= 1e-4
     lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier:" in line and "falling back" in line]
     assert len(lines) == 1, r["stdout"]
-    for node in ("node0", "node1"):
-        assert re.search(rf"{node}/iter_0000006/rank_00000.safetensors: bytes \[\d+, \d+\) \(chunk \d+\): CRC-32",
-                         lines[0]), lines[0]
-    assert "no sound copy of the pieces of ranks 0" in lines[0]
-    assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
+    return lines[0]
 
 
 def _rechunk(local: Path, node: str, rank: int, chunk: int, iteration: int = 6) -> None:
@@ -202,26 +209,21 @@ def _rechunk(local: Path, node: str, rank: int, chunk: int, iteration: int = 6) 
 def test_a_copy_damaged_past_its_header_is_found_by_its_sender_as_it_streams(crashed, tmp_path):
     """node1 is lost; node0's replica of rank 3's piece (what node1's rank reads) has a byte
     flipped in its middle, recorded in 4 kB chunks: the headers go (their chunks are sound),
-    then node0 finds the bad chunk as it streams the spans node1 reads, before any tensor is
-    loaded; every rank drops that copy, and with no other one (iteration 4 is older than the
-    persistent 5) the restart loads the persistent checkpoint, after one line naming the
-    chunk's bytes."""
+    then node0 finds the bad chunk as it streams the spans node1 reads (its own rank reading
+    its pieces meanwhile), before any byte of that chunk is sent; every rank drops that copy,
+    and with no other one (iteration 4 is older than the persistent 5) the restart loads the
+    persistent checkpoint, after one line naming the chunk's bytes."""
     def damage(local):
         shutil.rmtree(local / "node1")
         _rechunk(local, "node0", 3, 4096)
         _flip_byte(_piece(local, "node0", 3))
 
-    ref, r = _restart(crashed, tmp_path, ["node0", "node1"], damage=damage)
-    resumed = {int(k): v for k, v in r["losses"].items()}
-    assert sorted(resumed) == list(range(PERSISTENT + 1, ITERS + 1))
-    assert max_loss_delta(ref, resumed) <= 1e-4
-    lines = [line for line in r["stdout"].splitlines() if "local checkpoint tier:" in line and "falling back" in line]
-    assert len(lines) == 1, r["stdout"]
+    line = _fell_back(crashed, tmp_path, damage)
     size = _piece(crashed[1] / "local", "node0", 3).stat().st_size
     at = size // 2 // 4096 * 4096
     assert f"node0/iter_0000006/rank_00003.safetensors: bytes [{at}, {min(at + 4096, size)}) (chunk {at // 4096}): " \
-        "CRC-32" in lines[0], lines[0]
-    assert "falling back to the persistent checkpoint (iteration 5)" in lines[0]
+        "CRC-32" in line, line
+    assert "falling back to the persistent checkpoint (iteration 5)" in line
 
 
 def _rewrite_meaning(local: Path, node: str, rank: int, iteration: int = 6) -> None:
