@@ -18,7 +18,9 @@ is a new, empty node that receives from node0 the bytes its rank reads of the pi
 lacks): from the local tier (iteration 6, newer than the persistent 4 they are pointed at)
 and from the persistent checkpoint 4 alone (its files dropped from the page cache first, as bench_checkpoint.py does:
 read from the disk), on the saving layout (TP = nproc) and on another (PP2 x DP nproc/2); and
-once on the saving layout with no node lost (a process crash: every piece is where it was). The
+once on the saving layout with no node lost (a process crash: every piece is where it was;
+node1's dir is put back as training left it before each such restart, so that every round
+measures a crash). The
 recovery time is the loop's own "resumed iteration N in X s"; the local restore's own line
 says where its time goes and the MB each node received against the MB its ranks loaded.
 All "nodes" share this one machine: the transfers are loopback gloo, the disk is one.
@@ -134,6 +136,7 @@ def measure(a, hidden: int, layers: int) -> dict:
     tier = ["--local-ckpt-dir", str(local), "--local-save-interval", "2"]
     local_out = {name: "" for name in layouts}
     persistent_out = {name: "" for name in layouts}
+    pristine = work / "node1.pristine"  # node1's tier as training left it: each round's crash finds it
     try:
         out = run(a.nproc, model + same + tier
                   + ["--train-iters", "8", "--save", str(ckpt), "--save-interval", "4"], work)
@@ -141,17 +144,21 @@ def measure(a, hidden: int, layers: int) -> dict:
         probes = seconds(r"local save at iteration +\d+ started \([\d.]+ s stall: probe ([\d.]+) s", out)
         copies = seconds(r"local save at iteration +\d+ started \([\d.]+ s stall: probe [\d.]+ s, copy ([\d.]+) s", out)
         saves = seconds(r"saved checkpoint at iteration +\d+ to .* in ([\d.]+) s", out)
+        shutil.rmtree(pristine, ignore_errors=True)
+        shutil.copytree(local / "node1", pristine)
         for _ in range(a.rounds):  # alternating, so that a busy spell of the machine hits both
             for name, (layout, lost) in layouts.items():
                 restart = model + layout + ["--train-iters", "9", "--load", str(ckpt), "--ckpt-step", "4",
                                             "--load-universal"]
-                if lost:
-                    shutil.rmtree(local / "node1", ignore_errors=True)  # node1 lost: a new, empty node
+                shutil.rmtree(local / "node1", ignore_errors=True)
+                if not lost:  # a crash: every piece where it was; else node1 is a new, empty node
+                    shutil.copytree(pristine, local / "node1")
                 local_out[name] += run(a.nproc, restart + tier[:2] + ["--local-save-interval", "100"], work)
                 if lost:  # the persistent restart of the saving layout serves both of its kinds
                     drop_cache(ckpt / "iter_0000004")  # the persistent tier is storage: read from the disk
                     persistent_out[name] += run(a.nproc, restart, work)
     finally:
+        shutil.rmtree(pristine, ignore_errors=True)
         if not a.local_dir:
             shutil.rmtree(local, ignore_errors=True)
     state_bytes = sum(f.stat().st_size for f in (ckpt / "iter_0000004" / "tensors").iterdir())
