@@ -33,7 +33,7 @@ def _source(tmp_path, chunk=None):
     at their first read."""
     src = piece_reads.PieceSource.__new__(piece_reads.PieceSource)
     src.where, src.paths, src.metas, src.touched = str(tmp_path), {}, {}, {}
-    src.node_dir, src.iteration, src.checked, src.sums, src.bad, src._checks = str(tmp_path), 1, {}, {}, {}, {}
+    src.checked, src.sums, src.bad, src._checks = {}, {}, {}, {}
     src._ok, src._buf = {}, threading.local()
     src.fetch, src.refused, src.overlap, src._fetching, src._failed = None, None, False, None, None
     src.staged, src.received, src.spans = {}, {}, {}

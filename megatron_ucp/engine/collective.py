@@ -114,10 +114,11 @@ def groups_of_this_scope():
 
     megatron's destroy_model_parallel() (megatron-core 0.16.1 parallel_state.py:2085, 0.19.2
     :2506) sets its groups to None and destroys only its gloo data-parallel ones; torch keeps
-    every other one, with its gloo threads and connections, until the process ends. A process that builds one layout after
-    another (sessions in a row, a test runner) then drags every earlier layout's groups along:
-    measured on CPU, a run's steps were 2.2x slower after 24 earlier layouts. Destroying a
-    subgroup is local to the rank (no collective); the default group stays.
+    every other one, with its gloo threads and connections, until the process ends. A process
+    that builds one layout after another (sessions in a row, a test runner) then drags every
+    earlier layout's groups along: measured on CPU, a run's steps were 2.2x slower after 24
+    earlier layouts. Destroying a subgroup is local to the rank (no collective); the default
+    group stays.
     """
     if not dist.is_initialized():
         yield
@@ -142,7 +143,7 @@ def _registered_groups() -> list:
 
 def is_registered(group) -> bool:
     """Whether `group` is still usable (not destroyed), e.g. one a module kept across sessions."""
-    return group in dist.distributed_c10d._world.pg_map
+    return group in _registered_groups()
 
 
 def close_distributed() -> None:

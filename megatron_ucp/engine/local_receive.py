@@ -56,10 +56,10 @@ def headers(tier, choice, here: dict, found) -> tuple:
     holds it to a rank of that node (local_plan.transfers), which stages it (`stage_header`);
     the sender reads it through the piece's chunks' CRC-32s and checks it is the header its
     node checked. `here`: {saving rank: (bytes, header digest)} of the pieces this node holds.
-    Returns ({saving rank: (bytes,
-    header digest)} of every piece this node reads, {saving rank: its staged file}, {host:
-    header bytes it received}, why a node cannot stage them or None, [(host, iteration, saving
-    rank, why)] of the copies a sender found bad), the same on every rank of a node."""
+    Returns ({saving rank: (bytes, header digest)} of every piece this node reads, {saving
+    rank: its staged file}, {host: header bytes it received}, why a node cannot stage them or
+    None, [(host, iteration, saving rank, why)] of the copies a sender found bad), the same on
+    every rank of a node."""
     rank = dist.get_rank()
     moves = local_plan.transfers(choice, tier.hosts)
     mine = local_plan.held_copies(found, choice.iteration, tier.host)
@@ -205,7 +205,7 @@ class _Buffers:
 
     def __init__(self):
         self.message = [None, None]
-        self.chunk, self.held = None, (None, -1)  # (piece, chunk index) the chunk buffer holds
+        self.chunk, self.held = None, (None, -1)  # (piece's path, chunk index) the chunk buffer holds
 
     def get(self, k: int, nbytes: int) -> torch.Tensor:
         buf = self.message[k % 2]

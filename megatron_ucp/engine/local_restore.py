@@ -10,13 +10,14 @@
    without it (the next copy, the next iteration). No piece is read whole: its bytes are
    checked by chunk (local_piece.read_chunks), by whoever reads them, as they are read.
 3. A rank of each node receives the header of each piece its node lacks from a rank of a node
-   that holds it (local_plan.transfers spreads the pieces over the ranks of both) (the manifest head, the RNG states and the regions are in the headers) and stages it as a
-   sparse file of the piece's size (local_receive.py); the data comes in step 4, once the load's
-   read plan says which bytes the node's ranks read: each node gets the union of its ranks'
-   spans, each byte once, nothing else, streamed into the staged files. The sender reads only
-   the chunks of what it sends, each checked before any byte of it goes; a failed check makes
-   every rank choose again without that copy before any tensor is loaded. Nothing received is
-   kept: the staging folder is removed after the load and at the start of every restore (a
+   that holds it (local_plan.transfers spreads the pieces over the ranks of both; the manifest
+   head, the RNG states and the regions are in the headers) and stages it as a sparse file of
+   the piece's size (local_receive.py); the data comes in step 4, once the load's read plan
+   says which bytes the node's ranks read: each node gets the union of its ranks' spans, each
+   byte once, nothing else, streamed into the staged files beside the reads of what the node
+   holds (before any read where no persistent checkpoint could overwrite a partial load). The
+   sender reads only the chunks of what it sends, each checked before any byte of it goes; a
+   failed check makes every rank choose again without that copy. Nothing received is kept: the staging folder is removed after the load and at the start of every restore (a
    restart killed meanwhile leaves the tier as it was). No folder is assembled.
 4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
    manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
@@ -26,8 +27,8 @@
    checked by its sender), so a node's pieces are checked by the ranks that read them, in
    parallel, and the chunks no rank reads are not read at all; a failed check is raised on
    every rank, and the restore starts again without that copy. Each rank also checks that a
-   piece's header is the one its leader checked. The resume proof runs after the load; a disproved iteration is
-   set aside, the next one tried.
+   piece's header is the one its leader checked. The resume proof runs after the load; a
+   disproved iteration is set aside, the next one tried.
 Anything missing or bad is one line, and the caller falls back to the persistent tier.
 Before the model is built, `peek` tells the trainers the padded vocabulary of the iteration a
 restore will take (its COMPLETE markers record it): padding rows take part in the softmax, so
