@@ -91,6 +91,34 @@ def test_digests_of_any_split_sum_to_the_whole(data):
     assert abs(total - whole) <= proof.DIGEST_ROUNDING * float(np.abs(x).sum())
 
 
+@given(st.data())
+@settings(max_examples=80, deadline=None)
+def test_a_box_digest_in_slices_is_the_direct_sum(data):
+    """A CPU digest contracts a box in slices of a few rows (a row larger than a slice alone,
+    as it is: no buffer of its size kept), bf16/fp16 widened into a reused buffer: any slicing,
+    any offset in the part, any dtype, the digest is the element-by-element sum within
+    DIGEST_ROUNDING of sum |x|, and its scale is that sum (the tolerance's, an upper bound of
+    sum |x w|), boxes of other shapes and dtypes digested in between."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    offset = tuple(data.draw(st.integers(0, 3)) for _ in shape)
+    part = tuple(o + n + data.draw(st.integers(0, 2)) for o, n in zip(offset, shape))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+    x = torch.from_numpy(np.random.default_rng(data.draw(st.integers(0, 99))).standard_normal(shape)).to(dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(proof, "_CPU_CHUNK", data.draw(st.integers(1, 40)))
+        other = torch.full((data.draw(st.integers(1, 50)),), 7.0, dtype=data.draw(st.sampled_from([dtype, torch.float32])))
+        proof.box_digest("u", "", other.shape, (0,), other)  # leaves its values in the buffers
+        digest, scale = proof.box_digest("t", "", part, offset, x)
+    exact = x.double().numpy()
+    ws = [proof.pattern("t", "", d, n, "cpu").numpy()[o:o + s] for d, (n, o, s) in enumerate(zip(part, offset, shape))]
+    weights = ws[0]
+    for w in ws[1:]:
+        weights = np.multiply.outer(weights, w)
+    assert abs(digest - float((exact * weights).sum())) <= proof.DIGEST_ROUNDING * float(np.abs(exact).sum())
+    assert scale == pytest.approx(float(np.abs(exact).sum()), rel=1e-6)
+    assert scale >= float(np.abs(exact * weights).sum()) * (1 - 1e-6)
+
+
 def _record(losses=(2.0, 3.0), digests=None, dtype="float32", padded=256, state_dtypes=None):
     return {"version": 1, "probe": {"seed": proof.PROBE_SEED, "tokens": len(losses), "vocab_size": 250},
             "dtype": dtype, "device": "cpu/local", "padded_vocab_size": padded, "losses": list(losses),
