@@ -34,7 +34,7 @@ def _source(tmp_path, chunk=None):
     src = piece_reads.PieceSource.__new__(piece_reads.PieceSource)
     src.where, src.paths, src.metas, src.touched = str(tmp_path), {}, {}, {}
     src.checked, src.sums, src.bad, src._checks = {}, {}, {}, {}
-    src._ok, src._buf = {}, threading.local()
+    src._ok = {}
     src.fetch, src.refused, src.overlap, src._fetching, src._failed = None, None, False, None, None
     src.staged, src.received, src.spans = {}, {}, {}
     listed = {}
@@ -50,7 +50,7 @@ def _source(tmp_path, chunk=None):
         if chunk:
             src.sums[rank] = (chunk, [zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)])
     src.index = piece_reads._index(listed, {("w", ""): SHAPE}, src.paths)
-    src._fds, src._lock = {}, threading.Lock()
+    src._maps, src._lock = {}, threading.Lock()
     return src
 
 
@@ -141,6 +141,37 @@ def test_a_chunk_is_checked_at_its_first_read_and_a_damaged_one_is_named(tmp_pat
     unchecked.read_runs("w", layout, "param", [(SHAPE[1] + 2, 0, 2)], np.zeros(2, np.float32))  # no sums
     assert not unchecked.bad
     unchecked.close()
+
+
+@pytest.mark.parametrize("chunk", [8, None])
+def test_a_piece_shorter_than_its_sidecar_says_fails_only_the_reads_past_its_end(tmp_path, chunk):
+    """The pieces are read mapped, as long as their files are: a piece cut short by 4 bytes
+    (its last element) still serves every element whose bytes (and, with chunk sums, whose
+    chunk) end before the cut; a read of the others names the file and the byte where it ends
+    (the chunk check, else the copy), and nothing is read past the file."""
+    src = _source(tmp_path, chunk=chunk)
+    layout = _layout()
+    path = src.paths[1]
+    size = os.path.getsize(path)
+    os.truncate(path, size - 4)
+    failed = 0
+    for name, sign in (("param", 1), ("exp_avg", -1)):
+        for e in (r * SHAPE[1] + c for r in range(3) for c in (2, 3)):  # piece 1's box
+            (_, offset, _), = piece_reads._copies(src.index[("w", name)], np.array([e]), np.array([0]),
+                                                  np.array([1]), "w")
+            end = min(-(-(offset + 4) // chunk) * chunk, size) if chunk else offset + 4
+            out = np.zeros(1, np.float32)
+            if end <= size - 4:
+                src.read_runs("w", layout, name, [(e, 0, 1)], out)
+                assert out[0] == sign * VALUES.reshape(-1)[e], (name, e)
+                continue
+            failed += 1
+            with pytest.raises(IntegrityError, match=rf"rank_00001\.safetensors: ends at byte {size - 4}\b"):
+                src.read_runs("w", layout, name, [(e, 0, 1)], out)
+            if chunk:
+                src.bad.clear()  # the copy is bad; the next read asks again
+    assert failed == 1 or (chunk and failed == 2)  # the last element; with chunks, its chunk's
+    src.close()
 
 
 def test_a_staged_piece_serves_the_spans_received_and_refuses_the_rest(tmp_path):

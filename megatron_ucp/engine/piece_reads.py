@@ -4,13 +4,13 @@ A restore from the local tier loads universally (engine/load.py), but its reads 
 pieces on this node's dir instead of tensor files. For every (atomic tensor, file tensor name)
 an index of element runs -> (piece, byte offset) is built from the pieces' headers (each
 region's runs in its part: layout.region_runs); a read of runs of the atomic tensor is served
-by positional reads of the pieces (the page cache of the node serves its ranks one copy), each
+by copies from the pieces mapped read-only (the page cache of the node is their one copy), each
 byte of a piece a rank needs read once, nothing else. A rank of the saving layout reads its own
 piece and, where it owned every byte it holds, nothing else (`touched` counts per piece).
 
 The node's leader checked each piece's header and size before (local_restore); each rank
 checks that the header it indexes is that one (digest and size), and the CRC-32 of each chunk
-of a piece the first time it reads from that chunk (local_piece.read_chunks): a rank checks
+of a piece the first time it reads from that chunk (local_piece.check_chunks): a rank checks
 only what it reads, the ranks of a node in parallel. A piece that fails is named in `bad` (the
 restore takes another copy) and the read raises.
 
@@ -20,6 +20,7 @@ the byte spans this node's ranks read of it and nothing else; a read outside the
 """
 
 import dataclasses
+import mmap
 import os
 import threading
 
@@ -34,7 +35,7 @@ from megatron_ucp.errors import FormatError, IncompleteCheckpointError, Integrit
 from megatron_ucp.format import local_piece, manifest as mf
 from megatron_ucp.format.folder import iteration_dir
 from megatron_ucp.format.layout import region_runs
-from megatron_ucp.format.safe_files import IOV_MAX, open_regular, vector_io
+from megatron_ucp.format.safe_files import IOV_MAX, open_regular
 from megatron_ucp.format.tensor_entry import file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
 
@@ -57,7 +58,6 @@ class PieceSource:
         self.checked = dict(checked)
         self.sums = dict(sums or {})
         self._ok: dict = {}  # saving rank -> the chunks of its piece checked here
-        self._buf = threading.local()  # each reading thread's chunk buffer
         self.staged = dict(staged or {})
         self.fetch, self.refused, self.overlap = None, None, False
         self._fetching, self._failed = None, None  # the transfer's thread (overlap), why it failed
@@ -76,7 +76,7 @@ class PieceSource:
             raise IncompleteCheckpointError(f"{self.where}: rank 0's piece (the manifest head) is not here")
         self.manifest = _manifest(self.metas[0].get("head"), self.paths[0], self.where)
         self.index = _index(listed, part_shapes_of(self.manifest.tensors), self.paths)
-        self._fds, self._lock = {}, threading.Lock()
+        self._maps, self._lock = {}, threading.Lock()  # saving rank -> (its file mapped, its bytes)
 
     def plan_reads(self, m, tensors, reading) -> None:
         """Collective (the load calls it once its read plan `reading` is made, before any
@@ -166,26 +166,28 @@ class PieceSource:
         index = self.index.get((tensor, name))
         if index is None:
             raise IncompleteCheckpointError(f"{where}: no piece holds it")
-        raw = memoryview(out.reshape(-1).view(np.uint8))
+        dst = out.reshape(-1).view(np.uint8)
         total = calls = 0
         mine: dict = {}
         for piece, offset, parts in _copies(index, f[n > 0], b[n > 0], n[n > 0], where):
-            views = [raw[bs * F32:(bs + ln) * F32] for bs, ln in parts]
-            want = sum(len(v) for v in views)
+            want = F32 * sum(ln for _, ln in parts)
             if piece in self.staged:
                 self._fetched()  # its spans are written
                 if not local_plan.within(self.received.get(piece, _NONE), offset, offset + want):
                     raise IntegrityError(f"{self.paths[piece]}: bytes [{offset}, {offset + want}) were not "
                                          "received (the read plan and the reads disagree)")
                 mine.setdefault(("spans", piece), []).append((offset, offset + want))
-            fd = self._fd(piece)
-            self._check(piece, fd, offset, offset + want)
-            done, c = vector_io(False, fd, views, offset)
-            if done != want:
-                raise IntegrityError(f"{self.paths[piece]}: ends inside a region (needed bytes up to "
-                                     f"{offset + want}): the piece changed after it was checked")
-            total, calls = total + done, calls + c
-            mine[piece] = mine.get(piece, 0) + done
+            src = self._mapped(piece)
+            self._check(piece, src, offset, offset + want)
+            if offset + want > len(src):
+                raise IntegrityError(f"{self.paths[piece]}: ends at byte {len(src)} inside a region (needed "
+                                     f"bytes up to {offset + want}): the piece changed after it was checked")
+            at = offset
+            for bs, ln in parts:  # numpy copies without the GIL: the reading threads go on
+                np.copyto(dst[bs * F32:(bs + ln) * F32], src[at:at + ln * F32])
+                at += ln * F32
+            total, calls = total + want, calls + 1
+            mine[piece] = mine.get(piece, 0) + want
         with self._lock:
             for piece, nbytes in mine.items():
                 if isinstance(piece, tuple):
@@ -197,15 +199,28 @@ class PieceSource:
                 counter.calls += calls
         return total
 
-    def _fd(self, piece: int) -> int:
+    def _mapped(self, piece: int) -> np.ndarray:
+        """The bytes of `piece`'s file, mapped read-only: the node's page cache itself, checked
+        and copied in place. (A chunk read into a buffer to be checked, then again into the
+        tensor, moved 1.0 GB/s on this machine's tmpfs; mapped, checked and copied: 3.9 GB/s.)
+        The mapping is as long as the file was when mapped: a shorter file than its sidecar
+        says is named by the first read past its end."""
         with self._lock:
-            if piece not in self._fds:
-                self._fds[piece] = open_regular(self.paths[piece], "local-tier piece")
-            return self._fds[piece]
+            if piece not in self._maps:
+                fd = open_regular(self.paths[piece], "local-tier piece")
+                try:
+                    size = os.fstat(fd).st_size
+                    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+                finally:
+                    os.close(fd)  # the mapping keeps the file
+                data = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.zeros(0, np.uint8)
+                self._maps[piece] = (mapped, data)
+            return self._maps[piece][1]
 
-    def _check(self, piece: int, fd: int, start: int, end: int) -> None:
-        """The chunks of `piece` that hold bytes [start, end), checked against their CRC-32s
-        where not checked here before (the piece's other readers wait; other pieces' go on)."""
+    def _check(self, piece: int, src: np.ndarray, start: int, end: int) -> None:
+        """The chunks of `piece` (mapped as `src`) that hold bytes [start, end), checked against
+        their CRC-32s where not checked here before (the piece's other readers wait; other
+        pieces' go on)."""
         if piece not in self.sums:
             return
         chunk, sums = self.sums[piece]
@@ -219,12 +234,9 @@ class PieceSource:
             todo = [i for i in range(first, last) if i not in ok]
             if not todo:
                 return
-            buf = getattr(self._buf, "data", None)
-            if buf is None or len(buf) < chunk:
-                buf = self._buf.data = bytearray(chunk)  # one per reading thread, reused
             try:
                 for i in todo:
-                    local_piece.read_chunks(fd, self.paths[piece], self.checked[piece][0], chunk, sums, i, i + 1, buf)
+                    local_piece.check_chunks(src, self.paths[piece], self.checked[piece][0], chunk, sums, i, i + 1)
                     ok.add(i)
             except IntegrityError as e:
                 self.bad[piece] = str(e)
@@ -233,9 +245,15 @@ class PieceSource:
     def close(self) -> None:
         self.settle()
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds = {}
+            maps, self._maps = self._maps, {}
+        while maps:
+            _, (mapped, data) = maps.popitem()
+            del data  # the mapping's last export
+            if mapped is not None:
+                try:
+                    mapped.close()
+                except BufferError:  # a view of it still alive (an exception's frame): unmapped with it
+                    pass
 
 
 def piece_regions(path: str, nbytes: int, digest=None):
@@ -282,7 +300,7 @@ def _index(listed: dict, part_shapes: dict, paths: dict) -> dict:
 
 
 def _copies(index, f, b, n, where: str):
-    """Pure: the positional reads that serve runs (element f, out element b, length n) from
+    """Pure: the copies that serve runs (element f, out element b, length n) from
     `index`: [(piece, byte offset, [(out element, length)])], runs adjacent in a piece and in
     the array merged, at most IOV_MAX parts each. IncompleteCheckpointError for elements no
     piece holds. Vectorized: a row-split tensor read whole is thousands of runs."""

@@ -239,23 +239,32 @@ def read_piece(node_dir: str, iteration: int, rank: int, nbytes: int, expected_c
 
 def read_chunks(fd: int, path: str, nbytes: int, chunk: int, sums, first: int, last: int, buf) -> memoryview:
     """Chunks `first` .. `last` - 1 of the piece open as `fd` (`nbytes` long, `chunk` bytes per
-    CRC-32 of `sums`), read into `buf` and checked: their bytes, a view of `buf`.
-    IntegrityError naming `path`, the chunk and its bytes otherwise (a file shorter than its
-    sidecar says included: nothing is read past `nbytes`)."""
+    CRC-32 of `sums`), read into `buf` and checked (check_chunks): their bytes, a view of `buf`.
+    Nothing is read past `nbytes`."""
     lo, hi = first * chunk, min(last * chunk, nbytes)
     view = memoryview(buf).cast("B")[:hi - lo]
     if len(view) < hi - lo:
         raise ValueError(f"read_chunks: a buffer of {len(view)} bytes for {hi - lo}")
     done, _ = vector_io(False, fd, [view], lo)
-    if done != hi - lo:
-        raise IntegrityError(f"{path}: ends at byte {lo + done}, its sidecar says {nbytes}")
+    check_chunks(view[:done], path, nbytes, chunk, sums, first, last, lo)
+    return view
+
+
+def check_chunks(data, path: str, nbytes: int, chunk: int, sums, first: int, last: int, lo: int = 0) -> None:
+    """Chunks `first` .. `last` - 1 of a piece (`nbytes` long, `chunk` bytes per CRC-32 of
+    `sums`) checked in `data`, the piece's bytes from byte `lo` on (a buffer read from it, or the
+    whole file mapped): IntegrityError naming `path`, the chunk and its bytes, or the byte
+    where the file ends short of them."""
+    view = memoryview(data).cast("B")
+    end = min(last * chunk, nbytes)
+    if lo + len(view) < end:
+        raise IntegrityError(f"{path}: ends at byte {lo + len(view)}, its sidecar says {nbytes}")
     for i in range(first, last):
         a, b = i * chunk - lo, min((i + 1) * chunk, nbytes) - lo
         found = crc32(view[a:b])
         if found != sums[i]:
             raise IntegrityError(f"{path}: bytes [{lo + a}, {lo + b}) (chunk {i}): CRC-32 {found:08x} differs "
                                  f"from the saved {sums[i]:08x}")
-    return view
 
 
 def chunk_range(chunk: int, start: int, end: int) -> Tuple[int, int]:
