@@ -169,6 +169,8 @@ def test_a_lying_sidecar_does_not_make_a_sparse_file_read(group, node, monkeypat
     reads, original, chunked = [], local_piece.read_bounded, local_piece.read_chunks
     monkeypatch.setattr(local_piece, "read_bounded", lambda p, *a: reads.append(p) or original(p, *a))
     monkeypatch.setattr(local_piece, "read_chunks", lambda fd, p, *a: reads.append(p) or chunked(fd, p, *a))
+    checked = local_piece.check_chunks  # a mapped piece's data is checked through it (piece_reads, the sender)
+    monkeypatch.setattr(local_piece, "check_chunks", lambda d, p, *a: reads.append(p) or checked(d, p, *a))
     start = time.perf_counter()
     choice, _ = _restore_choice(node)
     assert choice.iteration == 4 and time.perf_counter() - start < 10

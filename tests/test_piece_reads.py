@@ -264,6 +264,38 @@ def test_chunk_sums_cover_every_byte_and_a_sidecar_is_checked(tmp_path, monkeypa
     assert local_piece.chunk_bytes_for(64 * local_piece.MAX_CHUNKS + 1) == 128
 
 
+def test_a_sender_copies_the_spans_of_its_mapped_copy_each_chunk_checked_once(tmp_path, monkeypatch):
+    """The sender's fill (local_receive._fill): the bytes of the parts, in order, from the piece
+    mapped, each chunk they touch checked once across messages; a damaged chunk fails the part
+    that lies in it, named, before any of its bytes are copied."""
+    monkeypatch.setattr(local_piece, "CHUNK_BYTES", 64)
+    data = local_piece.encode([("w", Region("", (0,), (90,), 0, 90))], [{"param": np.arange(90, dtype=np.float32)}], {})
+    local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
+    record = local_piece.sidecar(str(tmp_path), 3, 1)
+    copy = local_plan.Copy("n0", 1, len(data), crc32=record["crc32"], chunk_bytes=64, chunk_crc32=record["chunk_crc32"])
+    path = local_piece.piece_path(str(tmp_path), 3, 1)
+    seen = []
+    original = local_piece.check_chunks
+    monkeypatch.setattr(local_piece, "check_chunks", lambda d, p, n, c, s, i, j: seen.append(i) or original(d, p, n, c, s, i, j))
+    mapped = local_piece.MappedPiece(path)
+    checked = set()
+    for parts in ([(10, 70), (100, 130)], [(130, 200), (400, len(data))]):
+        out = np.zeros(sum(b - a for a, b in parts), np.uint8)
+        local_receive._fill(mapped.data, path, copy, parts, out, checked)
+        assert out.tobytes() == b"".join(data[a:b] for a, b in parts)
+    assert sorted(seen) == sorted(set(seen)) == [0, 1, 2, 3, *range(400 // 64, -(-len(data) // 64))]
+    mapped.close()
+    raw = bytearray(data)
+    raw[140] ^= 1
+    Path(path).write_bytes(bytes(raw))
+    mapped = local_piece.MappedPiece(path)
+    out = np.zeros(60, np.uint8)
+    with pytest.raises(IntegrityError, match=rf"{path}: bytes \[128, 192\) \(chunk 2\): CRC-32"):
+        local_receive._fill(mapped.data, path, copy, [(0, 30), (130, 160)], out, set())
+    assert out[:30].tobytes() == data[:30] and not out[30:].any()
+    mapped.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_copies_map_every_requested_element_to_the_piece_that_holds_it(data):

@@ -68,7 +68,7 @@ class Copy:
     nbytes: int
     bad: Optional[str] = None  # why the copy cannot be used (checksum, size, unreadable); None: sound
     crc32: int = 0  # as its sidecar records it
-    chunk_bytes: int = 0  # its bytes per chunk CRC-32 (local_piece.read_chunks)
+    chunk_bytes: int = 0  # its bytes per chunk CRC-32 (local_piece.check_chunks)
     chunk_crc32: tuple = ()  # each chunk's, as its sidecar records them
 
 

@@ -11,9 +11,10 @@ byte spans of those pieces, gathered; each receiving node gets the union of its 
 (local_plan.node_spans: each byte once per node), streamed in messages of WINDOW bytes (two in
 flight: the sender fills one while the other travels, the receiver writes one while the next
 arrives) into the staged files at their offsets, from which its ranks read them as from the
-pieces. The sender reads only the chunks of the bytes it sends, each checked against its
-CRC-32 (local_piece.read_chunks) before any byte of it goes, through buffers reused across
-messages: no piece is held in memory. Nothing received is kept as a copy of the tier.
+pieces. The sender maps its copy (local_piece.MappedPiece) and copies out only the chunks of
+the bytes it sends, each checked against its CRC-32 (local_piece.check_chunks) before any byte
+of it goes, into message buffers reused across messages: no piece is read into memory of its
+own. Nothing received is kept as a copy of the tier.
 """
 
 import os
@@ -200,12 +201,10 @@ def fetch(tier, choice, found, staged: dict, needs: dict, bad: dict) -> tuple:
 
 
 class _Buffers:
-    """A transfer's two message buffers (reused: one is filled while the other travels) and,
-    on a sender, the buffer of the chunk last read and checked."""
+    """A transfer's two message buffers (reused: one is filled while the other travels)."""
 
     def __init__(self):
         self.message = [None, None]
-        self.chunk, self.held = None, (None, -1)  # (piece's path, chunk index) the chunk buffer holds
 
     def get(self, k: int, nbytes: int) -> torch.Tensor:
         buf = self.message[k % 2]
@@ -220,11 +219,11 @@ def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffer
     before any byte of it is sent. Returns why the copy failed, or None; after a failure the
     remaining messages still go (unchecked bytes, which the receivers drop): every receive is
     matched."""
-    failed, pending = None, [None, None]
+    failed, pending, mapped, checked = None, [None, None], None, set()
     try:
-        fd = _open_piece(path)
-    except IntegrityError as e:
-        fd, failed = None, str(e)
+        mapped = local_piece.MappedPiece(path)
+    except (FormatError, IncompleteCheckpointError, OSError) as e:
+        failed = f"{path}: unreadable ({e})"
     try:
         for k, parts in enumerate(messages(spans)):
             if pending[k % 2] is not None:
@@ -233,7 +232,7 @@ def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffer
             out = buffers.get(k, n)
             if failed is None:
                 try:
-                    _fill(fd, path, copy, parts, out.numpy(), buffers)
+                    _fill(mapped.data, path, copy, parts, out.numpy(), checked)
                 except IntegrityError as e:
                     failed = str(e)
             pending[k % 2] = dist.isend(out[:n], peer, group=group)
@@ -241,26 +240,23 @@ def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffer
             if request is not None:
                 request.wait()
     finally:
-        if fd is not None:
-            os.close(fd)
+        if mapped is not None:
+            mapped.close()
     return failed
 
 
-def _fill(fd: int, path: str, copy, parts: list, out: np.ndarray, buffers: _Buffers) -> None:
-    """out[:bytes of `parts`] = the piece's bytes of `parts`, from its chunks, each read and
-    checked (local_piece.read_chunks) unless the chunk buffer holds it already."""
+def _fill(data: np.ndarray, path: str, copy, parts: list, out: np.ndarray, checked: set) -> None:
+    """out[:bytes of `parts`] = the piece's bytes of `parts`, copied from `data` (the piece
+    mapped) once the chunks they lie in are checked (local_piece.check_chunks), each chunk
+    once (`checked`: the chunks checked so far)."""
     chunk, pos = copy.chunk_bytes, 0
-    if buffers.chunk is None or len(buffers.chunk) < chunk:
-        buffers.chunk, buffers.held = np.empty(chunk, dtype=np.uint8), (None, -1)
     for start, end in parts:
         for i in range(*local_piece.chunk_range(chunk, start, end)):
-            if buffers.held != (path, i):
-                buffers.held = (None, -1)
-                local_piece.read_chunks(fd, path, copy.nbytes, chunk, copy.chunk_crc32, i, i + 1, buffers.chunk)
-                buffers.held = (path, i)
-            lo, hi = max(start, i * chunk), min(end, (i + 1) * chunk)
-            out[pos:pos + hi - lo] = buffers.chunk[lo - i * chunk:hi - i * chunk]
-            pos += hi - lo
+            if i not in checked:
+                local_piece.check_chunks(data, path, copy.nbytes, chunk, copy.chunk_crc32, i, i + 1)
+                checked.add(i)
+        out[pos:pos + end - start] = data[start:end]
+        pos += end - start
 
 
 def _receive(path, spans: np.ndarray, peer: int, group, buffers: _Buffers):

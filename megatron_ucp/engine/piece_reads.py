@@ -20,8 +20,6 @@ the byte spans this node's ranks read of it and nothing else; a read outside the
 """
 
 import dataclasses
-import mmap
-import os
 import threading
 
 import numpy as np
@@ -35,7 +33,7 @@ from megatron_ucp.errors import FormatError, IncompleteCheckpointError, Integrit
 from megatron_ucp.format import local_piece, manifest as mf
 from megatron_ucp.format.folder import iteration_dir
 from megatron_ucp.format.layout import region_runs
-from megatron_ucp.format.safe_files import IOV_MAX, open_regular
+from megatron_ucp.format.safe_files import IOV_MAX
 from megatron_ucp.format.tensor_entry import file_layout, file_tensor_name
 from megatron_ucp.mcore import rng
 
@@ -76,7 +74,7 @@ class PieceSource:
             raise IncompleteCheckpointError(f"{self.where}: rank 0's piece (the manifest head) is not here")
         self.manifest = _manifest(self.metas[0].get("head"), self.paths[0], self.where)
         self.index = _index(listed, part_shapes_of(self.manifest.tensors), self.paths)
-        self._maps, self._lock = {}, threading.Lock()  # saving rank -> (its file mapped, its bytes)
+        self._maps, self._lock = {}, threading.Lock()  # saving rank -> its file, mapped
 
     def plan_reads(self, m, tensors, reading) -> None:
         """Collective (the load calls it once its read plan `reading` is made, before any
@@ -200,22 +198,13 @@ class PieceSource:
         return total
 
     def _mapped(self, piece: int) -> np.ndarray:
-        """The bytes of `piece`'s file, mapped read-only: the node's page cache itself, checked
-        and copied in place. (A chunk read into a buffer to be checked, then again into the
-        tensor, moved 1.0 GB/s on this machine's tmpfs; mapped, checked and copied: 3.9 GB/s.)
-        The mapping is as long as the file was when mapped: a shorter file than its sidecar
-        says is named by the first read past its end."""
+        """The bytes of `piece`'s file, mapped (local_piece.MappedPiece): the node's page cache
+        itself, checked and copied in place. A file shorter than its sidecar says is named by
+        the first read past its end."""
         with self._lock:
             if piece not in self._maps:
-                fd = open_regular(self.paths[piece], "local-tier piece")
-                try:
-                    size = os.fstat(fd).st_size
-                    mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-                finally:
-                    os.close(fd)  # the mapping keeps the file
-                data = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else np.zeros(0, np.uint8)
-                self._maps[piece] = (mapped, data)
-            return self._maps[piece][1]
+                self._maps[piece] = local_piece.MappedPiece(self.paths[piece])
+            return self._maps[piece].data
 
     def _check(self, piece: int, src: np.ndarray, start: int, end: int) -> None:
         """The chunks of `piece` (mapped as `src`) that hold bytes [start, end), checked against
@@ -246,14 +235,8 @@ class PieceSource:
         self.settle()
         with self._lock:
             maps, self._maps = self._maps, {}
-        while maps:
-            _, (mapped, data) = maps.popitem()
-            del data  # the mapping's last export
-            if mapped is not None:
-                try:
-                    mapped.close()
-                except BufferError:  # a view of it still alive (an exception's frame): unmapped with it
-                    pass
+        for mapped in maps.values():
+            mapped.close()
 
 
 def piece_regions(path: str, nbytes: int, digest=None):

