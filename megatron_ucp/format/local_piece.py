@@ -272,7 +272,10 @@ class MappedPiece:
     """A piece's file mapped read-only: `data`, its bytes as the node's page cache holds them
     (np.uint8), as long as the file was when mapped. Its chunks are checked where they lie
     (check_chunks) and copied from there: no read into a buffer, then again out of it (on
-    this machine's tmpfs: 1.0 GB/s that way, 3.9 GB/s mapped)."""
+    this machine's tmpfs: 1.0 GB/s that way, 3.9 GB/s mapped). A file shorter than its sidecar
+    says fails the reads past its end, by name; one cut short while mapped would fault its
+    reader (SIGBUS), which is why nothing here shortens a file in place: pieces are written
+    whole and renamed into place, a staged file is sized once, before anyone maps it."""
 
     def __init__(self, path: str):
         fd = open_regular(path, "local-tier piece")
