@@ -8,7 +8,7 @@
    leaders check that iteration's pieces from their headers (slot, size, regions, and that
    together they cover every tensor: local_check); a bad copy makes them choose again
    without it (the next copy, the next iteration). No piece is read whole: its bytes are
-   checked by chunk (local_piece.read_chunks), by whoever reads them, as they are read.
+   checked by chunk (local_piece.check_chunks), by whoever reads them, as they are read.
 3. A rank of each node receives the header of each piece its node lacks from a rank of a node
    that holds it (local_plan.transfers spreads the pieces over the ranks of both; the manifest
    head, the RNG states and the regions are in the headers) and stages it as a sparse file of
@@ -17,8 +17,9 @@
    byte once, nothing else, streamed into the staged files beside the reads of what the node
    holds (before any read where no persistent checkpoint could overwrite a partial load). The
    sender reads only the chunks of what it sends, each checked before any byte of it goes; a
-   failed check makes every rank choose again without that copy. Nothing received is kept: the staging folder is removed after the load and at the start of every restore (a
-   restart killed meanwhile leaves the tier as it was). No folder is assembled.
+   failed check makes every rank choose again without that copy. Nothing received is kept:
+   the staging folder is removed after the load and at the start of every restore (a restart
+   killed meanwhile leaves the tier as it was). No folder is assembled.
 4. Every rank loads universally from the pieces in place (piece_reads.PieceSource): the
    manifest is rank 0's piece's head, the RNG states the pieces' metadata, and each slice it
    needs is read from the pieces that hold it through an index of their runs, nothing else

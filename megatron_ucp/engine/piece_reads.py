@@ -46,10 +46,10 @@ class PieceSource:
     {saving rank: (bytes, header digest)} as the leader checked them, `sums` {saving rank:
     (chunk bytes, each chunk's CRC-32)} of its piece (a piece missing there is not checked
     again: its bytes were checked by the node that sent them). `manifest` is rank 0's piece's
-    head, `rng(rank)` a saving rank's RNG state, `read_runs` tensor_io.read_runs's interface with the atomic tensor's
-    name in place of the file's path. `staged` {saving rank: its staged file}: the pieces
-    this node lacks; `fetch(needs)` (set by the restore; collective) gets the spans of them
-    this node's ranks read (local_receive.fetch's interface)."""
+    head, `rng(rank)` a saving rank's RNG state, `read_runs` tensor_io.read_runs's interface
+    with the atomic tensor's name in place of the file's path. `staged` {saving rank: its
+    staged file}: the pieces this node lacks; `fetch(needs)` (set by the restore; collective)
+    gets the spans of them this node's ranks read (local_receive.fetch's interface)."""
 
     def __init__(self, node_dir: str, iteration: int, checked: dict, sums: dict = None, staged: dict = None):
         self.where = iteration_dir(node_dir, iteration)
