@@ -215,8 +215,9 @@ def restore(tier, args, state, newer_than: int, reseed=None, found=None):
         source, refused = run_everywhere(_open, tier.node_dir, choice.iteration, checked, sums, staged,
                                          group=tier.group)
     if source is not None:
-        source.fetch = lambda needs: local_receive.fetch(tier, choice, found, staged, needs, source.bad)
-        source.overlap = newer_than >= 0  # a failed transfer after reads began: the persistent tier overwrites
+        if local_plan.transfers(choice, tier.hosts):  # the same on every rank; none after a crash
+            source.fetch = lambda needs: local_receive.fetch(tier, choice, found, staged, needs, source.bad)
+            source.overlap = newer_than >= 0  # a failed transfer after reads began: the persistent tier overwrites
         misfit = _misfit(source.manifest, state.model, args.vocab_size, source.where)
         misfit = misfit or _padding_misfit(source.manifest, state.model, args.vocab_size)
     marks.append(time.perf_counter())
