@@ -326,6 +326,29 @@ def test_each_moment_element_of_the_copies_comes_once_from_the_fragment_that_hol
         moment_transfers([(0, 0, 5)], [(1, 3, 8)])
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 3)), max_size=40), st.integers(1, 100),
+       st.integers(1, 400))
+def test_small_shares_travel_in_batches_of_their_reader(raw, small, limit):
+    """Each share is broadcast once; one over `small` bytes alone; the small ones of a reader
+    in item order, batches within `limit` unless one share is more, in the order of their first item."""
+    from megatron_ucp.engine.replicas import batches
+
+    sizes, readers = [n for n, _ in raw], [r for _, r in raw]
+    out = batches(sizes, readers, small, limit)
+    assert sorted(k for b in out for k in b) == list(range(len(raw)))
+    assert [b[0] for b in out] == sorted(b[0] for b in out)
+    for b in out:
+        assert b == sorted(b) and len({readers[k] for k in b}) == 1
+        assert len(b) == 1 or (all(sizes[k] <= small for k in b) and sum(sizes[k] for k in b) <= limit)
+    for reader in set(readers):  # a reader's small shares: each batch full up to the next one's first
+        mine = [b for b in out if readers[b[0]] == reader and sizes[b[0]] <= small]
+        for b, nxt in zip(mine, mine[1:]):
+            assert sum(sizes[k] for k in b) + sizes[nxt[0]] > limit
+    assert batches(sizes, readers, small, limit) == out  # what every member computes alike
+    assert batches([2, 2, 2, 5, 2], [0, 0, 0, 0, 1], 4, 4) == [[0, 1], [2], [3], [4]]  # full at the limit
+
+
 def test_both_ends_of_a_transfer_plan_it_alike():
     from types import SimpleNamespace
 

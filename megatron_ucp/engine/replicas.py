@@ -27,6 +27,13 @@ from megatron_ucp.engine.read_plan import Need, Share, digest, disagreement, ord
 STAGING_BYTES = 256 * 2**20
 
 
+# A share of at most SMALL_BYTES (a norm, a bias, their moments) travels in one broadcast with
+# the other small shares of its reader, up to BATCH_BYTES: a model has a few of them per layer,
+# and one collective each cost 0.3 ms here over gloo (155 of them: 0.05 s of a 1 s restart).
+SMALL_BYTES = 2**16
+BATCH_BYTES = 4 * 2**20
+
+
 # The replica classes, in the order every rank takes part in their groups' exchanges.
 CLASSES = ("data", "tensor+data", "tensor", "expert")
 
@@ -104,8 +111,29 @@ def split_needs(needs: List[Need], members: int, agreed: Optional[List[int]] = N
     return [(agreed[s.need], s) for s in split([needs[i] for i in agreed], members)]
 
 
+def batches(sizes: List[int], readers: List[int], small: int = SMALL_BYTES, limit: int = BATCH_BYTES
+            ) -> List[List[int]]:
+    """Pure: the items (indices into `sizes` and `readers`, in order) broadcast together: a
+    share of more than `small` bytes alone, the small ones of each reader packed in order into
+    batches of at most `limit` bytes; batches in the order of their first item. Every member
+    computes the same from the agreed shares."""
+    out, open_batch = [], {}
+    for k, (n, reader) in enumerate(zip(sizes, readers)):
+        if n > small:
+            out.append([k])
+            continue
+        batch = open_batch.get(reader)
+        if batch is None or batch[1] + n > limit:
+            batch = open_batch[reader] = [[], 0]
+            out.append(batch[0])
+        batch[0].append(k)
+        batch[1] += n
+    return out
+
+
 def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver, keep_staged: bool = False) -> int:
-    """Collective over `group`: each item (key, region, share) is broadcast from its reader.
+    """Collective over `group`: each item (key, region, share) is broadcast from its reader,
+    the small ones of a reader together (`batches`).
 
     `region` is the fp32-valued destination of the share in the model's tensor (1-D); the
     reader has already filled it, and `staged[key]` holds the reader's fp32 host copy where
@@ -118,26 +146,46 @@ def broadcast_shares(group, ranks: List[int], items, staged: dict, deliver, keep
     pending: deque = deque()
     in_flight = received = 0
 
+    def direct(region) -> bool:
+        return region.dtype == torch.float32 and region.device == device
+
+    def held(key, region) -> torch.Tensor:  # the reader's fp32 values of a share, on the group's device
+        if direct(region):
+            return region
+        return torch.from_numpy(staged[key] if keep_staged else staged.pop(key)).to(device)
+
     def finish():
         nonlocal in_flight
-        work, key, buf, staged_bytes, mine = pending.popleft()
+        work, batch, buf, staged_bytes, mine = pending.popleft()
         work.wait()
         in_flight -= staged_bytes
-        if not mine:
-            deliver(key, buf)
+        if mine:
+            return
+        if len(batch) == 1:
+            deliver(batch[0][0], buf)
+            return
+        pos = 0
+        for key, region, _ in batch:
+            data = buf[pos:pos + region.numel()]
+            pos += region.numel()
+            if direct(region):
+                region.copy_(data)
+                data = region
+            deliver(key, data)
 
-    for key, region, share in items:
-        direct = region.dtype == torch.float32 and region.device == device
-        mine = share.reader == me
-        if direct:
-            buf = region
-        elif mine:
-            buf = torch.from_numpy(staged[key] if keep_staged else staged.pop(key)).to(device)
+    for batch in batches([4 * region.numel() for _, region, _ in items], [share.reader for _, _, share in items]):
+        batch = [items[k] for k in batch]
+        mine = batch[0][2].reader == me
+        if len(batch) > 1:  # packed: staged like a share the model's tensor cannot receive
+            buf = (torch.cat([held(key, region) for key, region, _ in batch]) if mine else
+                   torch.empty(sum(region.numel() for _, region, _ in batch), dtype=torch.float32, device=device))
         else:
-            buf = torch.empty(region.numel(), dtype=torch.float32, device=device)
-        work = dist.broadcast(buf, src=ranks[share.reader], group=group, async_op=True)
-        staged_bytes = 0 if direct else buf.numel() * 4
-        pending.append((work, key, buf, staged_bytes, mine))
+            key, region, _ = batch[0]
+            buf = held(key, region) if mine or direct(region) else torch.empty(
+                region.numel(), dtype=torch.float32, device=device)
+        work = dist.broadcast(buf, src=ranks[batch[0][2].reader], group=group, async_op=True)
+        staged_bytes = 0 if len(batch) == 1 and direct(batch[0][1]) else buf.numel() * 4
+        pending.append((work, batch, buf, staged_bytes, mine))
         in_flight += staged_bytes
         received += 0 if mine else buf.numel() * 4
         while in_flight > STAGING_BYTES and pending:
