@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -294,6 +295,39 @@ def test_a_sender_copies_the_spans_of_its_mapped_copy_each_chunk_checked_once(tm
         local_receive._fill(mapped.data, path, copy, [(0, 30), (130, 160)], out, set())
     assert out[:30].tobytes() == data[:30] and not out[30:].any()
     mapped.close()
+
+
+def test_a_message_of_one_span_is_sent_from_the_mapping_once_its_chunks_are_checked(tmp_path, monkeypatch):
+    """local_receive._message: one span is a view of the mapped copy (no copy), several are
+    copied into the message buffer; either only once the chunks they touch are checked, each
+    once across messages; a damaged chunk is named before any message of it is made."""
+    monkeypatch.setattr(local_piece, "CHUNK_BYTES", 64)
+    data = local_piece.encode([("w", Region("", (0,), (90,), 0, 90))], [{"param": np.arange(90, dtype=np.float32)}], {})
+    local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
+    record = local_piece.sidecar(str(tmp_path), 3, 1)
+    copy = local_plan.Copy("n0", 1, len(data), crc32=record["crc32"], chunk_bytes=64, chunk_crc32=record["chunk_crc32"])
+    path = local_piece.piece_path(str(tmp_path), 3, 1)
+    seen = []
+    original = local_piece.check_chunks
+    monkeypatch.setattr(local_piece, "check_chunks", lambda d, p, n, c, s, i, j: seen.append(i) or original(d, p, n, c, s, i, j))
+    mapped = local_piece.MappedPiece(path, private=True)
+    buffer, checked = torch.zeros(200, dtype=torch.uint8), set()
+    one = local_receive._message(mapped.data, path, copy, [(100, 300)], buffer[:200], checked)
+    assert one.numpy().tobytes() == data[100:300] and np.shares_memory(one.numpy(), mapped.data)
+    assert sorted(seen) == [1, 2, 3, 4]
+    two = local_receive._message(mapped.data, path, copy, [(10, 70), (280, 330)], buffer[:110], checked)
+    assert two.data_ptr() == buffer.data_ptr() and two.numpy().tobytes() == data[10:70] + data[280:330]
+    assert sorted(seen) == [0, 1, 2, 3, 4, 5]  # chunks 1-4 not again
+    del one, two
+    mapped.close()
+    raw = bytearray(data)
+    raw[140] ^= 1
+    Path(path).write_bytes(bytes(raw))
+    mapped = local_piece.MappedPiece(path, private=True)
+    with pytest.raises(IntegrityError, match=rf"{path}: bytes \[128, 192\) \(chunk 2\): CRC-32"):
+        local_receive._message(mapped.data, path, copy, [(130, 160)], buffer, set())
+    mapped.close()
+    assert Path(path).read_bytes() == bytes(raw)  # the private mapping never writes the file
 
 
 @settings(max_examples=300, deadline=None)

@@ -11,10 +11,11 @@ byte spans of those pieces, gathered; each receiving node gets the union of its 
 (local_plan.node_spans: each byte once per node), streamed in messages of WINDOW bytes (two in
 flight: the sender fills one while the other travels, the receiver writes one while the next
 arrives) into the staged files at their offsets, from which its ranks read them as from the
-pieces. The sender maps its copy (local_piece.MappedPiece) and copies out only the chunks of
-the bytes it sends, each checked against its CRC-32 (local_piece.check_chunks) before any byte
-of it goes, into message buffers reused across messages: no piece is read into memory of its
-own. Nothing received is kept as a copy of the tier.
+pieces. The sender maps its copy (local_piece.MappedPiece) and sends only the bytes asked for,
+each chunk they lie in checked against its CRC-32 (local_piece.check_chunks) before any byte of
+it goes: a message of one span straight from the mapping, one of several spans copied into a
+message buffer reused across messages; no piece is read into memory of its own. Nothing
+received is kept as a copy of the tier.
 """
 
 import os
@@ -215,13 +216,13 @@ class _Buffers:
 
 def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffers):
     """Streams the bytes of merged `spans` of this node's copy (local_plan.Copy) of a piece to
-    `peer`, in `messages`, each chunk they lie in read once and checked against its CRC-32
-    before any byte of it is sent. Returns why the copy failed, or None; after a failure the
+    `peer`, in `messages` (`_message`: each chunk they lie in checked against its CRC-32 before
+    any byte of it is sent). Returns why the copy failed, or None; after a failure the
     remaining messages still go (unchecked bytes, which the receivers drop): every receive is
     matched."""
     failed, pending, mapped, checked = None, [None, None], None, set()
     try:
-        mapped = local_piece.MappedPiece(path)
+        mapped = local_piece.MappedPiece(path, private=True)  # writeable: a tensor to send from
     except (FormatError, IncompleteCheckpointError, OSError) as e:
         failed = f"{path}: unreadable ({e})"
     try:
@@ -229,32 +230,49 @@ def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffer
             if pending[k % 2] is not None:
                 pending[k % 2].wait()
             n = sum(end - start for start, end in parts)
-            out = buffers.get(k, n)
+            out = buffers.get(k, n)[:n]
             if failed is None:
                 try:
-                    _fill(mapped.data, path, copy, parts, out.numpy(), checked)
+                    out = _message(mapped.data, path, copy, parts, out, checked)
                 except IntegrityError as e:
                     failed = str(e)
-            pending[k % 2] = dist.isend(out[:n], peer, group=group)
+            pending[k % 2] = dist.isend(out, peer, group=group)
         for request in pending:
             if request is not None:
                 request.wait()
     finally:
         if mapped is not None:
-            mapped.close()
+            mapped.close()  # a send still holding a view keeps the mapping until it ends
     return failed
+
+
+def _message(data: np.ndarray, path: str, copy, parts: list, buffer: torch.Tensor, checked: set) -> torch.Tensor:
+    """The bytes of `parts` of the piece mapped as `data`, once the chunks they lie in are
+    checked (`_check`): a view of the mapping itself where they are one span (sent from the page
+    cache: no copy), else copied into `buffer` (`_fill`)."""
+    if len(parts) == 1:
+        (start, end), = parts
+        _check(data, path, copy, start, end, checked)
+        return torch.from_numpy(data[start:end])
+    _fill(data, path, copy, parts, buffer.numpy(), checked)
+    return buffer
+
+
+def _check(data: np.ndarray, path: str, copy, start: int, end: int, checked: set) -> None:
+    """The chunks of bytes [start, end) of the piece mapped as `data` checked against their
+    CRC-32s (local_piece.check_chunks), each chunk once (`checked`: the chunks checked so far)."""
+    for i in range(*local_piece.chunk_range(copy.chunk_bytes, start, end)):
+        if i not in checked:
+            local_piece.check_chunks(data, path, copy.nbytes, copy.chunk_bytes, copy.chunk_crc32, i, i + 1)
+            checked.add(i)
 
 
 def _fill(data: np.ndarray, path: str, copy, parts: list, out: np.ndarray, checked: set) -> None:
     """out[:bytes of `parts`] = the piece's bytes of `parts`, copied from `data` (the piece
-    mapped) once the chunks they lie in are checked (local_piece.check_chunks), each chunk
-    once (`checked`: the chunks checked so far)."""
-    chunk, pos = copy.chunk_bytes, 0
+    mapped), each part once the chunks it lies in are checked (`_check`)."""
+    pos = 0
     for start, end in parts:
-        for i in range(*local_piece.chunk_range(chunk, start, end)):
-            if i not in checked:
-                local_piece.check_chunks(data, path, copy.nbytes, chunk, copy.chunk_crc32, i, i + 1)
-                checked.add(i)
+        _check(data, path, copy, start, end, checked)
         out[pos:pos + end - start] = data[start:end]
         pos += end - start
 

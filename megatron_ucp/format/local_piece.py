@@ -275,13 +275,17 @@ class MappedPiece:
     this machine's tmpfs: 1.0 GB/s that way, 3.9 GB/s mapped). A file shorter than its sidecar
     says fails the reads past its end, by name; one cut short while mapped would fault its
     reader (SIGBUS), which is why nothing here shortens a file in place: pieces are written
-    whole and renamed into place, a staged file is sized once, before anyone maps it."""
+    whole and renamed into place, a staged file is sized once, before anyone maps it.
+    `private`: mapped copy-on-write, so that `data` is writeable for APIs that ask it (a
+    tensor to send from); a write would stay in this process, never reach the file."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, private: bool = False):
         fd = open_regular(path, "local-tier piece")
         try:
             size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+            flags = dict(flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if private else dict(
+                prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, size, **flags) if size else None
         finally:
             os.close(fd)  # the mapping keeps the file
         self.data = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else np.zeros(0, np.uint8)
