@@ -320,6 +320,20 @@ def test_a_message_of_one_span_is_sent_from_the_mapping_once_its_chunks_are_chec
     assert sorted(seen) == [0, 1, 2, 3, 4, 5]  # chunks 1-4 not again
     del one, two
     mapped.close()
+    mapper = local_piece.MappedPiece
+
+    def strict(path, private=False):  # vm.overcommit_memory=2 may refuse a writeable private mapping
+        if private:
+            raise OSError(12, "Cannot allocate memory")
+        return mapper(path)
+
+    monkeypatch.setattr(local_piece, "MappedPiece", strict)
+    read_only = local_receive._mapped(path)  # then read-only, its messages through the buffer
+    assert not read_only.data.flags.writeable
+    one = local_receive._message(read_only.data, path, copy, [(100, 300)], buffer[:200], set())
+    assert one.data_ptr() == buffer.data_ptr() and one.numpy().tobytes() == data[100:300]
+    read_only.close()
+    monkeypatch.setattr(local_piece, "MappedPiece", mapper)
     raw = bytearray(data)
     raw[140] ^= 1
     Path(path).write_bytes(bytes(raw))

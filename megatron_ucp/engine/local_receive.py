@@ -222,7 +222,7 @@ def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffer
     matched."""
     failed, pending, mapped, checked = None, [None, None], None, set()
     try:
-        mapped = local_piece.MappedPiece(path, private=True)  # writeable: a tensor to send from
+        mapped = _mapped(path)
     except (FormatError, IncompleteCheckpointError, OSError) as e:
         failed = f"{path}: unreadable ({e})"
     try:
@@ -246,11 +246,22 @@ def _send(path: str, copy, spans: np.ndarray, peer: int, group, buffers: _Buffer
     return failed
 
 
+def _mapped(path: str):
+    """The sender's copy mapped copy-on-write (writeable: messages are tensors made of it), or
+    read-only where that is refused (a strict overcommit policy counts a writeable private
+    mapping against the node's memory): its messages then go through the buffers."""
+    try:
+        return local_piece.MappedPiece(path, private=True)
+    except OSError:
+        return local_piece.MappedPiece(path)
+
+
 def _message(data: np.ndarray, path: str, copy, parts: list, buffer: torch.Tensor, checked: set) -> torch.Tensor:
     """The bytes of `parts` of the piece mapped as `data`, once the chunks they lie in are
     checked (`_check`): a view of the mapping itself where they are one span (sent from the page
-    cache: no copy), else copied into `buffer` (`_fill`)."""
-    if len(parts) == 1:
+    cache: no copy; a mapping that is not writeable cannot make a tensor), else copied into
+    `buffer` (`_fill`)."""
+    if len(parts) == 1 and data.flags.writeable:
         (start, end), = parts
         _check(data, path, copy, start, end, checked)
         return torch.from_numpy(data[start:end])
