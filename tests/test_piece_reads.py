@@ -265,19 +265,25 @@ def test_chunk_sums_cover_every_byte_and_a_sidecar_is_checked(tmp_path, monkeypa
     assert local_piece.chunk_bytes_for(64 * local_piece.MAX_CHUNKS + 1) == 128
 
 
-def test_a_sender_copies_the_spans_of_its_mapped_copy_each_chunk_checked_once(tmp_path, monkeypatch):
-    """The sender's fill (local_receive._fill): the bytes of the parts, in order, from the piece
-    mapped, each chunk they touch checked once across messages; a damaged chunk fails the part
-    that lies in it, named, before any of its bytes are copied."""
+def _sent_piece(tmp_path, monkeypatch):
+    """(bytes, local_plan.Copy, path, the chunks check_chunks is asked for) of a piece of
+    64-byte chunks, as a sender holds it."""
     monkeypatch.setattr(local_piece, "CHUNK_BYTES", 64)
     data = local_piece.encode([("w", Region("", (0,), (90,), 0, 90))], [{"param": np.arange(90, dtype=np.float32)}], {})
     local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
     record = local_piece.sidecar(str(tmp_path), 3, 1)
     copy = local_plan.Copy("n0", 1, len(data), crc32=record["crc32"], chunk_bytes=64, chunk_crc32=record["chunk_crc32"])
-    path = local_piece.piece_path(str(tmp_path), 3, 1)
     seen = []
     original = local_piece.check_chunks
     monkeypatch.setattr(local_piece, "check_chunks", lambda d, p, n, c, s, i, j: seen.append(i) or original(d, p, n, c, s, i, j))
+    return data, copy, local_piece.piece_path(str(tmp_path), 3, 1), seen
+
+
+def test_a_sender_copies_the_spans_of_its_mapped_copy_each_chunk_checked_once(tmp_path, monkeypatch):
+    """The sender's fill (local_receive._fill): the bytes of the parts, in order, from the piece
+    mapped, each chunk they touch checked once across messages; a damaged chunk fails the part
+    that lies in it, named, before any of its bytes are copied."""
+    data, copy, path, seen = _sent_piece(tmp_path, monkeypatch)
     mapped = local_piece.MappedPiece(path)
     checked = set()
     for parts in ([(10, 70), (100, 130)], [(130, 200), (400, len(data))]):
@@ -301,15 +307,7 @@ def test_a_message_of_one_span_is_sent_from_the_mapping_once_its_chunks_are_chec
     """local_receive._message: one span is a view of the mapped copy (no copy), several are
     copied into the message buffer; either only once the chunks they touch are checked, each
     once across messages; a damaged chunk is named before any message of it is made."""
-    monkeypatch.setattr(local_piece, "CHUNK_BYTES", 64)
-    data = local_piece.encode([("w", Region("", (0,), (90,), 0, 90))], [{"param": np.arange(90, dtype=np.float32)}], {})
-    local_piece.write_piece(str(tmp_path), 3, 1, data, {"world": 2, "job": None})
-    record = local_piece.sidecar(str(tmp_path), 3, 1)
-    copy = local_plan.Copy("n0", 1, len(data), crc32=record["crc32"], chunk_bytes=64, chunk_crc32=record["chunk_crc32"])
-    path = local_piece.piece_path(str(tmp_path), 3, 1)
-    seen = []
-    original = local_piece.check_chunks
-    monkeypatch.setattr(local_piece, "check_chunks", lambda d, p, n, c, s, i, j: seen.append(i) or original(d, p, n, c, s, i, j))
+    data, copy, path, seen = _sent_piece(tmp_path, monkeypatch)
     mapped = local_piece.MappedPiece(path, private=True)
     buffer, checked = torch.zeros(200, dtype=torch.uint8), set()
     one = local_receive._message(mapped.data, path, copy, [(100, 300)], buffer[:200], checked)
