@@ -270,12 +270,9 @@ def _message(data: np.ndarray, path: str, copy, parts: list, buffer: torch.Tenso
 
 
 def _check(data: np.ndarray, path: str, copy, start: int, end: int, checked: set) -> None:
-    """The chunks of bytes [start, end) of the piece mapped as `data` checked against their
-    CRC-32s (local_piece.check_chunks), each chunk once (`checked`: the chunks checked so far)."""
-    for i in range(*local_piece.chunk_range(copy.chunk_bytes, start, end)):
-        if i not in checked:
-            local_piece.check_chunks(data, path, copy.nbytes, copy.chunk_bytes, copy.chunk_crc32, i, i + 1)
-            checked.add(i)
+    """The chunks of bytes [start, end) of `copy` (local_plan.Copy), mapped as `data`, checked
+    against their CRC-32s, each once (`checked`: the chunks checked so far)."""
+    local_piece.check_new_chunks(data, path, copy.nbytes, copy.chunk_bytes, copy.chunk_crc32, start, end, checked)
 
 
 def _fill(data: np.ndarray, path: str, copy, parts: list, out: np.ndarray, checked: set) -> None:

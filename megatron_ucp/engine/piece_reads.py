@@ -213,20 +213,14 @@ class PieceSource:
         if piece not in self.sums:
             return
         chunk, sums = self.sums[piece]
-        first, last = local_piece.chunk_range(chunk, start, end)
         with self._lock:
             check = self._checks.setdefault(piece, threading.Lock())
         with check:
             if piece in self.bad:
                 raise IntegrityError(self.bad[piece])
-            ok = self._ok.setdefault(piece, set())
-            todo = [i for i in range(first, last) if i not in ok]
-            if not todo:
-                return
             try:
-                for i in todo:
-                    local_piece.check_chunks(src, self.paths[piece], self.checked[piece][0], chunk, sums, i, i + 1)
-                    ok.add(i)
+                local_piece.check_new_chunks(src, self.paths[piece], self.checked[piece][0], chunk, sums, start, end,
+                                             self._ok.setdefault(piece, set()))
             except IntegrityError as e:
                 self.bad[piece] = str(e)
                 raise

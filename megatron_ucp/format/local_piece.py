@@ -268,6 +268,16 @@ def check_chunks(data, path: str, nbytes: int, chunk: int, sums, first: int, las
                                  f"from the saved {sums[i]:08x}")
 
 
+def check_new_chunks(data, path: str, nbytes: int, chunk: int, sums, start: int, end: int, checked: set) -> None:
+    """The chunks holding bytes [start, end) of a piece (`data` from its byte 0 on) that are not
+    in `checked` checked (check_chunks), each added to it once it passes: a reader or sender
+    checks each chunk it touches once."""
+    for i in range(*chunk_range(chunk, start, end)):
+        if i not in checked:
+            check_chunks(data, path, nbytes, chunk, sums, i, i + 1)
+            checked.add(i)
+
+
 class MappedPiece:
     """A piece's file mapped read-only: `data`, its bytes as the node's page cache holds them
     (np.uint8), as long as the file was when mapped. Its chunks are checked where they lie
