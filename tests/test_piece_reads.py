@@ -4,6 +4,7 @@ nothing else; runs that span pieces are split, runs adjacent in a piece merged i
 
 import json
 import os
+import re
 import threading
 import zlib
 from pathlib import Path
@@ -392,3 +393,56 @@ def test_copies_map_every_requested_element_to_the_piece_that_holds_it(data):
                 got[start + e] = (piece, offset)
                 offset += 4
     assert got == want
+
+
+@settings(max_examples=120, deadline=None)
+@given(chunk=st.integers(1, 40), rows=st.tuples(st.integers(0, 5), st.integers(1, 6)),
+       cols=st.tuples(st.integers(0, 3), st.integers(1, 4)), name=st.sampled_from(["param", "exp_avg"]),
+       damage=st.one_of(st.none(), st.tuples(st.booleans(), st.sampled_from(sorted(SHARES)),
+                                             st.floats(0, 1, exclude_max=True))))
+def test_a_read_copies_a_chunks_bytes_only_once_it_is_checked(tmp_path_factory, chunk, rows, cols, name, damage):
+    """With any chunk size (one not a multiple of an element: an element straddles two chunks)
+    and any box, a sound read fills the box and checks exactly the chunks its bytes lie in;
+    with a damaged byte, a read whose bytes touch its chunk fails naming it and has copied no
+    byte of that chunk (bytes of other chunks may be), and a read that does not touch it
+    succeeds."""
+    r0, r1 = min(rows), max(max(rows), min(rows) + 1)
+    c0, c1 = min(cols), max(max(cols), min(cols) + 1)
+    src = _source(tmp_path_factory.mktemp("pieces"), chunk=chunk)
+    runs = [(r * SHAPE[1] + c0, i * (c1 - c0), c1 - c0) for i, r in enumerate(range(r0, r1))]
+    # each byte of the box: the piece and the byte of it that holds it
+    held = []
+    for e in (r * SHAPE[1] + c for r in range(r0, r1) for c in range(c0, c1)):
+        (piece, offset, _), = piece_reads._copies(src.index[("w", name)], np.array([e]), np.array([0]),
+                                                  np.array([1]), "w")
+        held += [(piece, offset + k) for k in range(4)]
+    touched = {(p, at // chunk) for p, at in held}
+    bad = None
+    if damage is not None:
+        in_box, piece, where = damage
+        if in_box:  # a byte the read copies
+            piece, at = held[int(where * len(held))]
+        else:  # any byte of a piece's data
+            spans = [(o, o + 4 * n) for _, lengths, pieces, offsets in src.index.values()
+                     for n, p, o in zip(lengths.tolist(), pieces.tolist(), offsets.tolist()) if p == piece]
+            lo, hi = min(a for a, _ in spans), max(z for _, z in spans)
+            at = lo + int(where * (hi - lo))
+        path = Path(src.paths[piece])
+        raw = bytearray(path.read_bytes())
+        raw[at] ^= 0x10
+        path.write_bytes(bytes(raw))
+        bad = (piece, at // chunk)
+    out = np.empty((r1 - r0) * (c1 - c0), np.float32)
+    view = out.view(np.uint8)
+    view[:] = 0xFF  # no element's bytes (a NaN)
+    if bad in touched:
+        with pytest.raises(IntegrityError, match=rf"{re.escape(src.paths[bad[0]])}: bytes \[{bad[1] * chunk}, "
+                                                 rf"\d+\) \(chunk {bad[1]}\): CRC-32"):
+            src.read_runs("w", _layout(), name, runs, out)
+        assert all(view[i] == 0xFF for i, p in enumerate(held) if (p[0], p[1] // chunk) == bad)
+    else:
+        src.read_runs("w", _layout(), name, runs, out)
+        sign = 1 if name == "param" else -1
+        assert np.array_equal(out.reshape(r1 - r0, c1 - c0), sign * VALUES[r0:r1, c0:c1])
+        assert {(p, c) for p, cs in src._ok.items() for c in cs} == touched
+    src.close()
