@@ -13,7 +13,9 @@ fails, and exit status 1 then.
 
 `run_forked`: the same group forked from a warm interpreter (a "zygote") that imported torch and
 megatron-core once. A worker's start-up is otherwise mostly those imports (about 5 s of CPU per
-worker, 10 s of wall time for 4 workers on 2 cores), paid again by each of the runner's groups.
+worker, 10 s of wall time for 4 workers on 2 cores), paid again by each of the runner's groups
+and each of Megatron-LM's trainer runs (tests/mlm_harness.py; they import megatron.training
+themselves, after the checkout's modules, as a fresh interpreter would).
 The zygote imports third-party modules only, never this checkout's, and runs one thread, so a
 forked worker starts as a fresh interpreter would: its environment, working folder, argv and
 output are the group's, its random state reseeded, and it ends through the interpreter's own
