@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import launch
+from launch import free_port  # noqa: F401 (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,12 +62,6 @@ def roundtrip_step(name, extra, load, step, save_to, iters=10, env=None):
     return {"name": name, "op": "roundtrip", "argv": argv, "save_to": save_to, "env": env or {}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
               allow_failure: bool = False, python: str = sys.executable) -> dict:
     """Run `steps` in one torchrun group of `nproc` CPU processes; return {name: result}.
@@ -84,14 +78,9 @@ def run_steps(nproc: int, steps: list, workdir: Path, timeout: int = 900,
     # Every read of these small models is shorter than the inline-hashing threshold: at 1 byte,
     # verified loads hash inline and combine pieces on every layout (fault tests set it back).
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1")
-    for _ in range(3):
-        start = launch.run_forked if os.environ.get("UCP_TEST_FORK", "1") == "1" else launch.run_group
-        proc = start(python, nproc, [str(REPO / "tests" / "runner.py"), str(spec), str(result)],
-                     env, workdir, free_port(), timeout)
-        # free_port's port can be taken by another process before rank 0 listens on it; no
-        # worker has started then (none wrote a result), so the group starts again on another port.
-        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or any(workdir.glob("result.json*")):
-            break
+    # a group whose port was taken before rank 0 listened wrote no result: it starts again
+    proc = launch.start(python, nproc, [str(REPO / "tests" / "runner.py"), str(spec), str(result)], env, workdir,
+                        timeout, lambda: any(workdir.glob("result.json*")))
     results = json.loads(result.read_text()) if result.exists() else {}  # written atomically
     for other in sorted(workdir.glob("result.json.rank*[0-9]")):  # the failing ranks' stories
         for name, r in json.loads(other.read_text()).items():

@@ -26,12 +26,31 @@ import atexit
 import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the rest of a failed group (torchrun: 30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(python: str, nproc: int, argv: list, env: dict, cwd, timeout: float, started) -> subprocess.CompletedProcess:
+    """run_forked (run_group with UCP_TEST_FORK=0) on a free port, again on another one (three
+    tries) when that port was taken by another process before rank 0 listened on it (EADDRINUSE)
+    and `started()` says no worker got going."""
+    run = run_forked if os.environ.get("UCP_TEST_FORK", "1") == "1" else run_group
+    for _ in range(3):
+        proc = run(python, nproc, argv, env, cwd, free_port(), timeout)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or started():
+            break
+    return proc
 
 
 def worker_env(base: dict, rank: int, nproc: int, port: int) -> dict:
