@@ -486,9 +486,17 @@ def corrupt_copy(step):
 
 
 def process_groups(step):
-    """How many process groups this rank's torch still holds (the earlier steps' sessions have
-    ended: the default group alone should be left)."""
-    return {"held": len(dist.distributed_c10d._world.pg_map), "threads": len(os.listdir("/proc/self/task"))}
+    """How many process groups this rank's torch still holds, and how many models (megatron's
+    DDP modules) are still alive after a collection (the earlier steps' sessions have ended: the
+    default group alone should be left, and no model); this process's OS threads."""
+    import gc
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    gc.collect()
+    models = sum(1 for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
+    return {"held": len(dist.distributed_c10d._world.pg_map), "models": models,
+            "threads": len(os.listdir("/proc/self/task"))}
 
 
 OPS = {"process_groups": process_groups, "corrupt_copy": corrupt_copy, "restore_both": restore_both, "names": names, "convert": convert, "train": train, "roundtrip": roundtrip, "kill_during_save": kill_during_save,

@@ -24,7 +24,7 @@ from megatron_ucp.engine import collective
 from megatron_ucp.mcore import compat
 from megatron_ucp.mcore.flag_validation import validate
 from megatron_ucp.mcore.flags import build_parser
-from megatron_ucp.mcore.model import build_train_state
+from megatron_ucp.mcore.model import build_train_state, release_train_state
 from megatron_ucp.train import checkpointing, progress
 from megatron_ucp.train.data import build_datasets, microbatches
 from megatron_ucp.train.monitor import Monitor
@@ -265,6 +265,7 @@ def session(argv=None):
         finally:
             if state is not None:
                 checkpointing.finish_pending_save(state, args)
+                release_train_state(state)
             parallel_state.destroy_model_parallel()
             destroy_num_microbatches_calculator()
 
