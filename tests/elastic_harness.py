@@ -89,7 +89,9 @@ def lose_a_node(workdir: Path, python: str, argv: list, ckpt: Path, kill_after: 
     port = free_port()
     agent = [python, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", f"elastic-test-{port}", "--rdzv-conf", "last_call_timeout=10",
+             "--rdzv-id", f"elastic-test-{port}", "--rdzv-conf",
+             # a dead agent drops out after 3 missed keep-alives 2 s apart (torch: 5 s apart)
+             "last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3",
              "--max-restarts", "3", "--monitor-interval", "0.5",
              str(REPO / "pretrain_gpt_ucp.py"), *argv, "--elastic", "--save", str(ckpt),
              "--load", str(ckpt), "--loss-log", str(log)]

@@ -19,7 +19,8 @@ themselves, after the checkout's modules, as a fresh interpreter would).
 The zygote imports third-party modules only, never this checkout's, and runs one thread, so a
 forked worker starts as a fresh interpreter would: its environment, working folder, argv and
 output are the group's, its random state reseeded, and it ends through the interpreter's own
-shutdown (threads joined, atexit), so its exit status is the script's.
+shutdown (threads joined, atexit), so its exit status is the script's. A group's argv is a
+script's path and its arguments, or "-m", a module and its arguments (as `python -m`).
 """
 
 import atexit
@@ -135,11 +136,16 @@ def worker(req, rank):
     for fd, path in ((1, req["out"]), (2, req["err"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.argv = list(req["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
     random.seed()
     import runpy
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    if req["argv"][0] == "-m":  # python -m MODULE ARGS: the working folder first on sys.path
+        sys.argv = list(req["argv"][1:])
+        sys.path[0] = os.getcwd()
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(req["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
     sys.exit(0)  # through the interpreter's own shutdown, as the script's end would
 
 

@@ -100,10 +100,8 @@ def run(python: str, workdir: Path, nproc: int, extra: list, iters: int, timeout
 
         kill_after_iteration = -1
     if kill_after_iteration is None:  # no signal to forward: the workers without torchrun's agent
-        if as_script:  # python -m: started afresh (the zygote runs a script's path)
-            proc = launch.run_group(python, nproc, argv, env, workdir, free_port(), timeout)
-        else:  # forked from the interpreter's warm zygote; a group that logged no loss may start again
-            proc = launch.start(python, nproc, argv, env, workdir, timeout, lambda: bool(read_losses(workdir)))
+        # forked from the interpreter's warm zygote; a group that logged no loss may start again
+        proc = launch.start(python, nproc, argv, env, workdir, timeout, lambda: bool(read_losses(workdir)))
         return Run(proc.returncode, proc.stdout + proc.stderr, workdir)
     cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), *argv]

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import BASE, REPO, deadline, free_port, ok, run_steps
+import launch
+from harness import BASE, REPO, deadline, ok, run_steps
 from megatron_ucp.convert import safe_pickle
 from megatron_ucp.format import folder, inspection, safe_files, tensor_file
 from megatron_ucp.mcore import rng
@@ -83,9 +84,12 @@ def _entry_point(argv, timeout=180):
 
 
 def _train(extra, timeout=180):
-    return _entry_point([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                         str(REPO / "pretrain_gpt_ucp.py")] + ARGS[:-1] + ["3"] + extra, timeout)
+    """pretrain_gpt_ucp.py in one worker, started as torchrun starts it (tests/launch.py: forked
+    from a warm interpreter; the launcher is not what these tests are about)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    proc = launch.start(sys.executable, 1, [str(REPO / "pretrain_gpt_ucp.py")] + ARGS[:-1] + ["3"] + extra, env,
+                        REPO, timeout, lambda: False)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _convert(src, out, *extra, timeout=180):

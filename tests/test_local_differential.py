@@ -338,7 +338,7 @@ def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
     import os
 
     import launch
-    from harness import REPO, free_port
+    from harness import REPO
     from mlm_harness import BASE as MLM_BASE
 
     failures = []
@@ -362,9 +362,9 @@ def _mlm_restored(python, root: Path, sources: dict, targets: dict) -> None:
         (work / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), UCP_INLINE_HASH_BYTES="1",
                    UCP_PROBE_SPEC=str(work / "spec.json"))
-        proc = launch.run_group(python, world, ["-m", "megatron_ucp.megatron_lm", "--cpu",
-                                                str(REPO / "tests" / "mlm_restore_probe.py")],
-                                env, work, free_port(), 900)
+        proc = launch.start(python, world, ["-m", "megatron_ucp.megatron_lm", "--cpu",
+                                            str(REPO / "tests" / "mlm_restore_probe.py")],
+                            env, work, 900, (work / "result.json").exists)
         output = proc.stdout + proc.stderr
         results = json.loads((work / "result.json").read_text()) if (work / "result.json").exists() else {}
         for pair in spec["pairs"]:

@@ -158,7 +158,10 @@ def dist_converted(work, w4n):
 
 @pytest.fixture(scope="module")
 def legacy_converted(work, w4n):
-    """The legacy checkpoints converted in this process (no megatron processes), timed."""
+    """The legacy checkpoints converted in this process, timed. The resume proof from megatron's
+    own load of the source (processes of the source's layout, about 13 s each) is recorded for
+    the virtual stages, whose layout flags it rebuilds (test_resume_proof.py records it for
+    TP2); b_legacy_vpp_pp2 checks it before its first step."""
     from megatron_ucp.convert.to_universal import convert
 
     out = {}
@@ -166,7 +169,7 @@ def legacy_converted(work, w4n):
                                    ("l_g", "LG", 1, 3)):
         ok(w4n, step)
         out[src] = convert(str(work / src), str(work / f"C{src}"), iteration=it, workers=workers,
-                           progress=False)
+                           progress=False, prove=src == "LV")
     return out
 
 
@@ -446,6 +449,8 @@ def test_converted_legacy_equals_a_direct_universal_save(w4, w4n, work, legacy_c
     assert losses(w4n, legacy) == losses(w4, reference)  # the same training, saved in both formats
     summary = legacy_converted[src]
     assert summary["tensors"] == tensors and summary["bytes"] > 0 and summary["GB/s"] > 0
+    if src == "LV":
+        assert summary["proof"].startswith("resume proof recorded"), summary["proof"]
     assert_same_state(work / source / f"iter_{it:07d}", work / f"C{src}" / f"iter_{it:07d}")
 
 
@@ -455,6 +460,8 @@ def test_converted_legacy_equals_a_direct_universal_save(w4, w4n, work, legacy_c
 def test_converted_legacy_resumes_on_another_layout(w4, w2, reference, resumed, step):
     assert sorted(losses(w2, resumed)) == list(range(step + 1, N + 1))
     assert max_loss_delta(losses(w4, reference), losses(w2, resumed)) <= TOL
+    if resumed == "b_legacy_vpp_pp2":  # the proof recorded from megatron's load of the source
+        assert "resume proof passed" in ok(w2, resumed)["stdout"]
 
 
 def _legacy_copy(work, name, edit_args=None, drop=None):
@@ -484,8 +491,9 @@ def test_legacy_conversion_names_what_is_missing(w4, w4n, work):
     no_vocab = _legacy_copy(work, "L_novocab", edit_args=lambda a: a.pop("vocab_size"))
     with pytest.raises(ConfigError, match=r"lack vocab_size; pass --vocab-size"):
         convert(str(no_vocab), str(work / "C_novocab"), progress=False)
-    # The flag supplies it; the result is the same state.
-    convert(str(no_vocab), str(work / "C_novocab"), extra_argv=["--vocab-size", "250"], progress=False)
+    # The flag supplies it; the result is the same state (no proof: legacy_converted records one).
+    convert(str(no_vocab), str(work / "C_novocab"), extra_argv=["--vocab-size", "250"], progress=False,
+            prove=False)
     assert_same_state(work / "A" / "iter_0000005", work / "C_novocab" / "iter_0000005")
 
     no_consumed = _legacy_copy(work, "L_noconsumed", edit_args=lambda a: a.pop("consumed_train_samples"))
