@@ -27,12 +27,15 @@ def _install(tmp: Path) -> Path:
     """Build the wheel, install it into a fresh venv; returns the venv's bin folder."""
     src = copy_checkout(tmp / "src")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "-w", str(tmp / "dist"), str(src)], check=True)
+    # a PYTHONPATH holding the checkout (and its egg-info) would have pip find megatron-ucp
+    # installed already in the new venv, and install nothing
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run(pip + ["wheel", "--no-deps", "-w", str(tmp / "dist"), str(src)], check=True, env=env)
     wheel, = (tmp / "dist").glob("megatron_ucp-*.whl")
     venv = tmp / "venv"
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=env)
     subprocess.run(pip + ["--python", str(venv / "bin" / "python"), "install", "--no-deps",
-                          str(wheel)], check=True)
+                          str(wheel)], check=True, env=env)
     lib, = (venv / "lib").glob("python3.*/site-packages")
     (lib / "torch_and_megatron_core.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return venv / "bin"

@@ -78,3 +78,30 @@ def test_killing_export_torch_dist_kills_its_workers(tmp_path):
         if tool.poll() is None:
             os.killpg(tool.pid, signal.SIGKILL)
             tool.wait()
+
+
+_GLOO_WORKER = """import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w").write(str(int(t.item())))
+dist.destroy_process_group()
+"""
+
+
+def test_the_workers_rendezvous_on_a_port_no_other_process_can_take_first(tmp_path, monkeypatch):
+    """run_workers once picked a free port, closed it and handed it to torchrun: a port another
+    process took meanwhile (simulated: the pick is a port this test listens on) failed the
+    conversion with EADDRINUSE. torchrun's rendezvous store now binds port 0 itself."""
+    import socket
+
+    from megatron_ucp.convert import launch
+
+    (tmp_path / "gloo_worker.py").write_text(_GLOO_WORKER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1], raising=False)
+        assert launch.run_workers(2, "gloo_worker", [str(tmp_path)]) == 0
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]

@@ -94,8 +94,9 @@ def command_line(argv: list) -> list:
 def pretrain(work: Path, name: str, nproc: int, argv: list, timeout: int = 240) -> dict:
     """Run the training entry under torchrun; return {iteration: loss} (from --loss-log)."""
     log = work / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(29400 + (hash(name) % 500)),
+    from megatron_ucp.convert.launch import LOCAL_RENDEZVOUS
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *LOCAL_RENDEZVOUS,
            "-m", "megatron_ucp.train", *command_line(argv), "--loss-log", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.time()

@@ -3,19 +3,19 @@
 Converting through megatron's own code (its loader, its torch_dist writer) needs processes of
 the layout on one side of the conversion; both directions (`to_universal.py --via-megatron`,
 `export_torch_dist.py`) start the training application's workers (train/workers.py) the same
-way: `python -m <module> <argv>` on a free local port, one thread per process, gloo.
+way: `python -m <module> <argv>` on one node (LOCAL_RENDEZVOUS), one thread per process, gloo.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# One node, its rendezvous store on a port the kernel gives it when torchrun binds (port 0),
+# which the workers then join. A port picked beforehand (bound, closed, handed to torchrun)
+# could be taken by any other process of the machine before torchrun bound it again: the
+# conversion then failed with EADDRINUSE.
+LOCAL_RENDEZVOUS = ("--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0")
 
 
 def die_with_parent() -> None:
@@ -49,8 +49,8 @@ def run_workers(nproc: int, module: str, argv: list, python: str = None) -> int:
     with this process and the workers with torchrun (die_with_parent, which the worker module
     calls first thing).
     """
-    cmd = [python or sys.executable, "-c", _TORCHRUN, "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module]
+    cmd = [python or sys.executable, "-c", _TORCHRUN, "--nproc-per-node", str(nproc), *LOCAL_RENDEZVOUS,
+           "-m", module]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # The workers import this package as the caller does (a tools/ script puts it on sys.path).
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
